@@ -1,0 +1,51 @@
+"""Builds the compiled kernels of vllm-chunkattn at install time.
+
+The CPU extension (csrc/cpu) is always built. The CUDA extension (csrc/cuda)
+is built only when the installed torch has CUDA and nvcc is available; with a
+CPU torch it is skipped with a message, so `pip install` works on both kinds
+of host.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _extensions():
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+    exts = [
+        cpp_extension.CppExtension(
+            name="vllm_chunkattn._C",
+            sources=_sources("csrc/cpu/*.cpp"),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+    import torch
+
+    cuda_sources = _sources("csrc/cuda/*.cu")
+    if torch.version.cuda and cpp_extension.CUDA_HOME and cuda_sources:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0 8.6 8.9 9.0")
+        exts.append(
+            cpp_extension.CUDAExtension(
+                name="vllm_chunkattn._C_cuda",
+                sources=cuda_sources + _sources("csrc/cuda/*.cpp"),
+                include_dirs=[os.path.join(ROOT, "csrc")],
+                extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+            )
+        )
+    elif cuda_sources:
+        print("vllm-chunkattn: torch has no CUDA; building the CPU kernels only")
+    return exts
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": cpp_extension.BuildExtension})

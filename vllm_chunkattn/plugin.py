@@ -1,0 +1,59 @@
+"""vLLM general-plugin entry point: makes `--attention-backend chunk` select
+our backend in every process vLLM starts (API server, engine core, workers).
+
+Why `CUSTOM` and not a new enum member: vLLM pickles its config (which holds
+the selected `AttentionBackendEnum` member) before the engine-core process
+loads plugins. A member created at run time unpickles by value and fails
+there; `CUSTOM` is a static member, so it round-trips. We register our class
+as CUSTOM's implementation and add `CHUNK` as an alias name of that member,
+so the name users type parses to it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_chunkattn import BACKEND_NAME
+
+BACKEND_CLASS = "vllm_chunkattn.backend.ChunkAttentionBackend"
+
+logger = logging.getLogger("vllm_chunkattn")
+
+
+def register() -> None:
+    from vllm.v1.attention.backends.registry import (
+        _ATTN_OVERRIDES,
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    custom = AttentionBackendEnum.CUSTOM
+    taken_by = _ATTN_OVERRIDES.get(custom)
+    if taken_by not in (None, BACKEND_CLASS):
+        raise RuntimeError(
+            f"vllm-chunkattn cannot register its attention backend: another plugin "
+            f"already registered {taken_by} as the CUSTOM attention backend"
+        )
+    register_backend(custom, BACKEND_CLASS)
+    AttentionBackendEnum._member_map_.setdefault(BACKEND_NAME, custom)
+    _warn_if_cpu_platform_unpatched()
+
+
+def _warn_if_cpu_platform_unpatched() -> None:
+    # Unpatched, vLLM's CPU platform silently falls back to CPU_ATTN when
+    # `chunk` is selected; say so loudly instead of letting it pass.
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.platforms.cpu as cpu_platform
+
+    # A string check, not `patch --dry-run`: this runs in every vLLM process.
+    with open(cpu_platform.__file__) as f:
+        patched = "selected_backend.is_overridden()" in f.read()
+    if not patched:
+        logger.warning(
+            "vllm-chunkattn: the installed vLLM is not patched, so on CPU "
+            "`--attention-backend chunk` would fall back to CPU_ATTN. Run "
+            "`python -m vllm_chunkattn.patching apply` once in this environment."
+        )
