@@ -145,7 +145,6 @@ def _corpus(n_sentences: int = 6000, seed: int = 0) -> list[str]:
 
 def _build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -158,42 +157,62 @@ def _build_tokenizer():
     # Prepend <s> like Llama tokenizers do, so plain prompts start with BOS.
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-        unk_token="<unk>", pad_token="<pad>", chat_template=CHAT_TEMPLATE,
-        model_max_length=1 << 20)
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    return tok
 
 
-def _build_weights(cfg, seed: int) -> dict:
-    import torch
+def _build_weights(spec: dict, vocab: int, seed: int) -> dict:
+    import numpy as np
 
-    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
 
-    def rand(rows: int, cols: int, gain: float) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) * (gain / cols ** 0.5)
+    def rand(rows: int, cols: int, gain: float) -> np.ndarray:
+        return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(gain / cols ** 0.5)
 
-    h, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    w = {"model.embed_tokens.weight": torch.randn(v, h, generator=g) * EMBED_STD}
-    for i in range(cfg.num_hidden_layers):
+    h, inter = spec["hidden_size"], spec["intermediate_size"]
+    q_out = spec["num_attention_heads"] * spec["head_dim"]
+    kv_out = spec["num_key_value_heads"] * spec["head_dim"]
+    ones = np.ones(h, dtype=np.float32)
+    w = {"model.embed_tokens.weight": rand(vocab, h, EMBED_STD * h ** 0.5)}
+    for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = torch.ones(h)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        w[p + "input_layernorm.weight"] = ones
+        w[p + "post_attention_layernorm.weight"] = ones
         w[p + "self_attn.q_proj.weight"] = rand(q_out, h, QK_GAIN)
         w[p + "self_attn.k_proj.weight"] = rand(kv_out, h, QK_GAIN)
         w[p + "self_attn.v_proj.weight"] = rand(kv_out, h, VO_GAIN)
         w[p + "self_attn.o_proj.weight"] = rand(h, q_out, VO_GAIN)
-        w[p + "mlp.gate_proj.weight"] = rand(cfg.intermediate_size, h, MLP_GAIN)
-        w[p + "mlp.up_proj.weight"] = rand(cfg.intermediate_size, h, MLP_GAIN)
-        w[p + "mlp.down_proj.weight"] = rand(h, cfg.intermediate_size, MLP_GAIN)
-    w["model.norm.weight"] = torch.ones(h)
-    lm_head = rand(v, h, LM_HEAD_GAIN)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, h, MLP_GAIN)
+        w[p + "mlp.up_proj.weight"] = rand(inter, h, MLP_GAIN)
+        w[p + "mlp.down_proj.weight"] = rand(h, inter, MLP_GAIN)
+    w["model.norm.weight"] = ones
+    lm_head = rand(vocab, h, LM_HEAD_GAIN)
     # Zero logits for special tokens: random logits have std ~LM_HEAD_GAIN, so
     # the max over the vocab is far above 0 and greedy decoding never emits
     # EOS/PAD early; generations always run to max_tokens.
     lm_head[: len(SPECIAL_TOKENS)] = 0.0
     w["lm_head.weight"] = lm_head
-    return {k: t.contiguous() for k, t in w.items()}
+    return w
+
+
+def _hf_files(spec: dict, vocab: int) -> dict[str, dict]:
+    """config / generation_config / tokenizer_config, written by hand so that
+    generating a model needs neither torch nor transformers (and the files do
+    not depend on which transformers version happens to be installed)."""
+    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", **spec,
+        vocab_size=vocab, hidden_act="silu", rms_norm_eps=1e-5,
+        # Both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta.
+        rope_theta=10000.0, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        initializer_range=0.02, use_cache=True, torch_dtype="float32", **ids)
+    tokenizer_config = dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>", pad_token="<pad>", model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE)
+    return {"config.json": config, "generation_config.json": ids,
+            "tokenizer_config.json": tokenizer_config}
 
 
 def _cache_key(name: str) -> str:
@@ -223,29 +242,24 @@ def ensure_model(name: str = "tiny", root: str | None = None) -> str:
     if final.is_dir():  # only ever created by an atomic rename, so complete
         return str(final)
 
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, LlamaConfig
+    from safetensors.numpy import save_file
 
     root_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root_dir))
     try:
-        tokenizer = _build_tokenizer()
-        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-        assert list(ids.values()) == [0, 1, 2, 3], ids
-        cfg = LlamaConfig(
-            **SPECS[name], vocab_size=len(tokenizer), rms_norm_eps=1e-5,
-            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
-            pad_token_id=ids["<pad>"], tie_word_embeddings=False,
-            architectures=["LlamaForCausalLM"])
-        cfg.dtype = "float32"
-        cfg.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                         pad_token_id=cfg.pad_token_id).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        tok = _build_tokenizer()
+        tok.save(str(tmp / "tokenizer.json"))
+        vocab = tok.get_vocab_size()
+        for fname, content in _hf_files(SPECS[name], vocab).items():
+            (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
         # A fixed seed per name: same files on every machine and every run.
         seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
-        save_file(_build_weights(cfg, seed), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(_build_weights(SPECS[name], vocab, seed),
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # mkdtemp (and safetensors) create private files; the cache may be shared.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -260,8 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["tiny"], metavar="NAME",
                     help=f"models to build (default: tiny); one of {', '.join(SPECS)}")
-    ap.add_argument("--root", help="cache directory (default: %(default)s)",
-                    default=None)
+    ap.add_argument("--root", help="cache directory (default: $VLLM_CHUNKATTN_MODEL_DIR, "
+                    "else <checkout>/.models, else ~/.cache/vllm_chunkattn/models)")
     args = ap.parse_args(argv)
     for name in args.names:
         print(ensure_model(name, args.root))

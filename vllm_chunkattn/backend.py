@@ -1,0 +1,290 @@
+"""The `chunk` attention backend for vLLM: builder / metadata / impl.
+
+Per step, the metadata builder splits the batch into decode requests (one new
+token) and prefill requests (many: prefill, chunked prefill, prefill after a
+prefix-cache hit), and derives the prefix tree of the decode requests from
+their block tables (`tree.py`, cached across steps). Per layer, the impl
+writes the new keys/values into the backend's own cache layout, runs the
+two-phase-partition decode over the tree and causal paged attention for the
+prefill rows.
+
+KV cache layout: vLLM hands each layer a [num_blocks, num_kv_heads,
+block_size, 2 * head_size] tensor (layout LBHNC); we read each block and KV
+head as a key tile followed by a value tile (csrc/chunkattn.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from vllm_chunkattn import BACKEND_NAME, ops
+from vllm_chunkattn.tree import PrefixTreeCache, PrefixTreeContext
+
+logger = init_logger(__name__)
+
+SUPPORTED_HEAD_SIZES = [64, 128, 256]
+SUPPORTED_BLOCK_SIZES = [32, 64, 128]
+SUPPORTED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _names(values) -> str:
+    return ", ".join(str(v).replace("torch.", "") for v in values)
+
+
+class ChunkAttentionBackend(AttentionBackend):
+    # The layer calls do_kv_cache_update before forward.
+    forward_includes_kv_cache_update: bool = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = SUPPORTED_DTYPES
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[ChunkAttentionImpl]:
+        return ChunkAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[ChunkAttentionMetadataBuilder]:
+        return ChunkAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(SUPPORTED_BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def validate_configuration(cls, **config) -> list[str]:
+        """vLLM's reasons, reworded so each names what is supported."""
+        reasons = []
+        head_size, block_size = config["head_size"], config["block_size"]
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            reasons.append(f"head size {head_size} (supported: {_names(SUPPORTED_HEAD_SIZES)})")
+        if config["dtype"] not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {_names([config['dtype']])} (supported: {_names(SUPPORTED_DTYPES)})")
+        if config.get("kv_cache_dtype") not in (None, "auto"):
+            reasons.append(
+                f"kv_cache_dtype {config['kv_cache_dtype']} (supported: auto, i.e. the model dtype)"
+            )
+        if block_size is not None and block_size not in SUPPORTED_BLOCK_SIZES:
+            reasons.append(f"block size {block_size} (supported: {_names(SUPPORTED_BLOCK_SIZES)})")
+        unsupported_features = {
+            "use_mla": "MLA",
+            "use_sparse": "sparse attention",
+            "has_sink": "attention sinks",
+            "has_sliding_window": "sliding-window attention",
+            "use_mm_prefix": "multimodal prefix attention",
+            "use_non_causal": "non-causal attention",
+            "use_per_head_quant_scales": "per-head quantisation scales",
+            "use_rswa": "R-SWA",
+            "use_pcp": "prefill context parallelism",
+            "use_dcp": "decode context parallelism",
+        }
+        for key, what in unsupported_features.items():
+            if config.get(key):
+                reasons.append(f"{what} (supported: causal decoder self-attention)")
+        if config.get("attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+            reasons.append(
+                f"attention type {config['attn_type']} (supported: decoder self-attention; "
+                "no encoder or cross attention)"
+            )
+        return [f"{BACKEND_NAME} does not support {r}" for r in reasons]
+
+
+@dataclass
+class ChunkAttentionMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    # Decode requests come first in the batch (reorder_batch_threshold = 1).
+    num_decodes: int
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    tree: PrefixTreeContext | None
+    # Prefill requests follow; their query rows start at num_decode_tokens.
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1], rebased to 0
+    prefill_seq_lens: torch.Tensor
+    prefill_block_table: torch.Tensor
+
+
+class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetadata]):
+    # Ask the runner to put single-token requests first, so decodes are one slice.
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"{BACKEND_NAME} does not support block size {self.block_size} "
+                f"(supported: {_names(SUPPORTED_BLOCK_SIZES)}); set --block-size"
+            )
+        if not vllm_config.cache_config.enable_prefix_caching:
+            logger.warning(
+                "%s attention with prefix caching disabled: requests share no KV "
+                "blocks, so nothing is shared and decode runs as plain paged attention. "
+                "Enable prefix caching to benefit.",
+                BACKEND_NAME,
+            )
+        self.tree_cache = PrefixTreeCache()
+        logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ChunkAttentionMetadata:
+        cm = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cm, decode_threshold=1
+        )
+        num_reqs = num_decodes + num_prefills
+        block_table = cm.block_table_tensor[:num_reqs]
+        seq_lens = cm.seq_lens[:num_reqs].cpu()
+        decode_block_table = block_table[:num_decodes]
+        decode_seq_lens = seq_lens[:num_decodes]
+        tree = None
+        if num_decodes:
+            tree = self.tree_cache.get(decode_block_table, decode_seq_lens, self.block_size)
+        qsl = cm.query_start_loc_cpu[num_decodes : num_reqs + 1]
+        return ChunkAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            slot_mapping=cm.slot_mapping,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            decode_block_table=decode_block_table,
+            decode_seq_lens=decode_seq_lens,
+            tree=tree,
+            prefill_query_start_loc=(qsl - qsl[0]).to(torch.int32),
+            prefill_seq_lens=seq_lens[num_decodes:],
+            prefill_block_table=block_table[num_decodes:],
+        )
+
+
+class ChunkAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = []
+        if alibi_slopes is not None:
+            unsupported.append("ALiBi")
+        if sliding_window is not None:
+            unsupported.append(f"sliding window ({sliding_window})")
+        if logits_soft_cap:
+            unsupported.append(f"logits soft-cap ({logits_soft_cap})")
+        if sinks is not None:
+            unsupported.append("attention sinks")
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"attention type {attn_type}")
+        if kv_cache_dtype != "auto":
+            unsupported.append(f"kv_cache_dtype {kv_cache_dtype}")
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            unsupported.append(f"head size {head_size}")
+        if num_heads % num_kv_heads:
+            unsupported.append(f"{num_heads} query heads over {num_kv_heads} KV heads")
+        if unsupported:
+            raise NotImplementedError(
+                f"{BACKEND_NAME} attention does not support: {', '.join(unsupported)}. "
+                f"Supported: causal decoder self-attention, MHA or GQA, head sizes "
+                f"{_names(SUPPORTED_HEAD_SIZES)}, dtypes {_names(SUPPORTED_DTYPES)}, "
+                f"kv_cache_dtype auto, no ALiBi, sliding window, soft-cap or sinks."
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_tokens = slot_mapping.shape[0]
+        ops.write_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: ChunkAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support fused output quantisation")
+        if attn_metadata is None:  # profiling run
+            return output
+        md = attn_metadata
+        output = output.view(-1, self.num_heads, self.head_size)
+        num_decode_tokens = md.num_decode_tokens
+        if md.num_decodes:
+            ops.tpp_decode(
+                query[:num_decode_tokens],
+                kv_cache,
+                md.decode_block_table,
+                md.decode_seq_lens,
+                md.tree,
+                self.scale,
+                output[:num_decode_tokens],
+            )
+        if md.prefill_seq_lens.numel():
+            ops.paged_prefill(
+                query[num_decode_tokens : md.num_actual_tokens],
+                kv_cache,
+                md.prefill_query_start_loc,
+                md.prefill_seq_lens,
+                md.prefill_block_table,
+                self.scale,
+                output[num_decode_tokens : md.num_actual_tokens],
+            )
+        return output
