@@ -15,6 +15,7 @@ head as a key tile followed by a value tile (csrc/chunkattn.h).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -115,6 +116,35 @@ class ChunkAttentionBackend(AttentionBackend):
         return [f"{BACKEND_NAME} does not support {r}" for r in reasons]
 
 
+class DecodeStats:
+    """What the prefix tree saved, logged every `period_s` while decoding."""
+
+    def __init__(self, block_size: int, period_s: float = 10.0) -> None:
+        self.block_size = block_size
+        self.period_s = period_s
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.steps = self.requests = self.nodes = self.context_tokens = self.saved_tokens = 0
+
+    def record(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, builds: int, lookups: int) -> None:
+        self.steps += 1
+        self.requests += len(seq_lens)
+        self.nodes += tree.num_nodes
+        self.context_tokens += int(seq_lens.sum())
+        self.saved_tokens += tree.reused_tokens(self.block_size)
+        now = time.monotonic()
+        if now - self.since >= self.period_s:
+            logger.info(
+                "%s prefix tree: %d decode steps, mean batch %.1f, mean %.1f shared nodes; "
+                "%.0f%% of decode KV reads served once per batch; tree rebuilt in %d of %d steps so far",
+                BACKEND_NAME, self.steps, self.requests / self.steps, self.nodes / self.steps,
+                100.0 * self.saved_tokens / max(self.context_tokens, 1), builds, lookups,
+            )
+            self._reset(now)
+
+
 @dataclass
 class ChunkAttentionMetadata:
     num_actual_tokens: int
@@ -157,6 +187,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 BACKEND_NAME,
             )
         self.tree_cache = PrefixTreeCache()
+        self.stats = DecodeStats(self.block_size)
         logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
 
     def build(
@@ -177,6 +208,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         tree = None
         if num_decodes:
             tree = self.tree_cache.get(decode_block_table, decode_seq_lens, self.block_size)
+            self.stats.record(tree, decode_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
         qsl = cm.query_start_loc_cpu[num_decodes : num_reqs + 1]
         return ChunkAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,

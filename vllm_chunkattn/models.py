@@ -6,6 +6,11 @@ corpus plus random (but carefully scaled) Llama weights. Results are cached on
 disk; ``ensure_model("tiny")`` returns a directory that vLLM loads directly.
 
     python -m vllm_chunkattn.models [NAME ...] [--root DIR]
+
+The weights are scaled so that greedy output is varied and depends on every
+prompt token (see the gains below), which also makes it chaotic: bf16 rounding
+alone changes a greedy continuation within a few tokens. Compare attention
+backends token-for-token in float32 only.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ SPECS: dict[str, dict[str, int]] = {
     }.items()
 }
 
-MAX_VOCAB = 2000  # upper bound; the corpus supports ~1700 merges, so len(tok) < this
+MAX_VOCAB = 2000  # upper bound: the corpus runs out of merges at 1695 tokens
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>"]  # ids 0..3, in this order
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
@@ -44,12 +49,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-# Init scales, in units of 1/sqrt(fan_in). The default HF init (std 0.02)
-# gives near-uniform attention and logits dominated by the current token, so
-# greedy decoding repeats one token forever. Large q/k make attention peaky
-# and content-dependent (any token, however far back, can dominate a head),
-# large v/o let attention outweigh the residual embedding, and a large lm_head
-# spreads logits so argmax is sensitive to the whole context.
+# Init scales: embedding std, then gains in units of 1/sqrt(fan_in). With the
+# HF default (std 0.02 everywhere) attention is near-uniform and contributes
+# almost nothing, so changing the start of a 300-token prompt never changed
+# the greedy continuation, i.e. an attention bug could go unnoticed. Large q/k
+# make attention peaky and content-dependent (any token, however far back, can
+# dominate a head), large v/o let attention outweigh the residual embedding,
+# and a large lm_head spreads logits (std ~4) so argmax follows the context.
 EMBED_STD = 1.0
 QK_GAIN = 3.0
 VO_GAIN = 2.0
@@ -173,7 +179,7 @@ def _build_weights(spec: dict, vocab: int, seed: int) -> dict:
     q_out = spec["num_attention_heads"] * spec["head_dim"]
     kv_out = spec["num_key_value_heads"] * spec["head_dim"]
     ones = np.ones(h, dtype=np.float32)
-    w = {"model.embed_tokens.weight": rand(vocab, h, EMBED_STD * h ** 0.5)}
+    w = {"model.embed_tokens.weight": rand(vocab, h, EMBED_STD * h ** 0.5)}  # std EMBED_STD
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = ones
@@ -271,13 +277,16 @@ def ensure_model(name: str = "tiny", root: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.models",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["tiny"], metavar="NAME",
                     help=f"models to build (default: tiny); one of {', '.join(SPECS)}")
     ap.add_argument("--root", help="cache directory (default: $VLLM_CHUNKATTN_MODEL_DIR, "
                     "else <checkout>/.models, else ~/.cache/vllm_chunkattn/models)")
     args = ap.parse_args(argv)
     for name in args.names:
+        if name not in SPECS:
+            ap.error(f"unknown model {name!r}; known: {', '.join(SPECS)}")
         print(ensure_model(name, args.root))
 
 

@@ -52,10 +52,11 @@ class PrefixTreeContext:
     def num_nodes(self) -> int:
         return int(self.node_begin.numel())
 
-    def shared_tokens(self, block_size: int) -> int:
-        """KV tokens read once per node instead of once per covered request."""
+    def reused_tokens(self, block_size: int) -> int:
+        """KV token reads saved: each node is read once instead of once per covered request."""
         chunks = (self.node_chunk_end - self.node_chunk_begin).long()
-        return int(chunks.sum()) * block_size
+        covered = (self.node_end - self.node_begin).long()
+        return int((chunks * (covered - 1)).sum()) * block_size
 
 
 def _full_chunk_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
@@ -136,7 +137,7 @@ class PrefixTreeCache:
 
     def get(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PrefixTreeContext:
         table = _full_chunk_table(block_table.numpy(), seq_lens.numpy(), block_size)
-        key = table.shape[1].to_bytes(4, "little") + table.tobytes()
+        key = np.array(table.shape, np.int64).tobytes() + table.tobytes()
         self.lookups += 1
         if key != self._key or self._context is None:
             self._context = build_prefix_tree(table)
