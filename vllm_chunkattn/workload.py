@@ -65,6 +65,19 @@ def shared_prefix_workload(
     return requests
 
 
+def chat_conversations() -> list[list[dict]]:
+    """Two conversations that share a system message, for the chat endpoint."""
+    rng = random.Random(1)
+    system = {"role": "system", "content": "You answer briefly. " + _text(rng, 60)}
+    return [
+        [system, {"role": "user", "content": "Tell me about the " + _text(rng, 6)}],
+        [system, {"role": "user", "content": "Where is the " + _text(rng, 4) + "?"}],
+    ]
+
+
+CHAT_MAX_TOKENS = 16
+
+
 @dataclass
 class EngineSettings:
     model: str
@@ -111,6 +124,10 @@ def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
     started = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     generate_s = time.perf_counter() - started
+    chat = llm.chat(
+        chat_conversations(), SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     results = []
     for req, out in zip(requests, outputs):
         completion = out.outputs[0]
@@ -133,6 +150,7 @@ def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
         "generate_s": generate_s,
         "counters": _counters(llm),
         "results": results,
+        "chat": [out.outputs[0].text for out in chat],
     }
 
 
@@ -154,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--model-name", default="tiny", help="embedded model to use when --model is not given")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     if args.model is None:
         from vllm_chunkattn.models import ensure_model
 
-        args.model = ensure_model("tiny")
+        args.model = ensure_model(args.model_name)
     settings = EngineSettings(
         model=args.model,
         backend=args.backend,
