@@ -207,7 +207,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         decode_seq_lens = seq_lens[:num_decodes]
         tree = None
         if num_decodes:
-            tree = self.tree_cache.get(decode_block_table, decode_seq_lens, self.block_size)
+            tree = self.tree_cache.get(decode_block_table.cpu(), decode_seq_lens, self.block_size)
             self.stats.record(tree, decode_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
         qsl = cm.query_start_loc_cpu[num_decodes : num_reqs + 1]
         return ChunkAttentionMetadata(

@@ -1,8 +1,9 @@
 """Python entry points of the backend's kernels, one per kernel family.
 
-The KV-cache write is always the compiled op. Decode and prefill use the
-compiled kernels when the extension provides them, else the torch versions
-in `torch_kernels`; both are tested against `reference.py`.
+On CPU each op is the compiled kernel (csrc/cpu) when the extension
+provides it, else the PyTorch version in `torch_kernels`; on other devices
+the PyTorch version until the CUDA kernels exist. All are tested against
+`reference.py`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def _compiled(name: str):
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key, value [num_tokens, num_kv_heads, head_size] into their slots of kv_cache."""
+    if kv_cache.device.type != "cpu":  # no compiled GPU kernel yet (issue 5)
+        return torch_kernels.write_kv_cache(key, value, kv_cache, slot_mapping)
     torch.ops.chunkattn.write_kv_cache(key, value, kv_cache, slot_mapping)
 
 
@@ -34,7 +37,7 @@ def tpp_decode(
 ) -> torch.Tensor:
     """Two-phase-partition decode: query/out [B, num_heads, head_size]."""
     kernel = _compiled("tpp_decode")
-    if kernel is None:
+    if kernel is None or query.device.type != "cpu":
         return torch_kernels.tpp_decode(query, kv_cache, block_table, seq_lens, ctx, scale, out)
     kernel(
         out, query, kv_cache, block_table, seq_lens,
@@ -57,7 +60,7 @@ def paged_prefill(
     """Causal attention of many new tokens per request over the paged cache.
     query/out [T, num_heads, head_size]; query_start_loc [R + 1] (starting at 0)."""
     kernel = _compiled("paged_prefill")
-    if kernel is None:
+    if kernel is None or query.device.type != "cpu":
         return torch_kernels.paged_prefill(
             query, kv_cache, query_start_loc.tolist(), seq_lens.tolist(), block_table, scale, out
         )

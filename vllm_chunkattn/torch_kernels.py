@@ -43,6 +43,16 @@ def _merge(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, dim: int) -> torch
     return o_total / n_total.unsqueeze(-1)
 
 
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value [num_tokens, num_kv_heads, head_size] into their slots; negative slots are padding."""
+    k_cache, v_cache = split_kv(kv_cache)
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache[slots // block_size, :, slots % block_size] = key[: len(slot_mapping)][valid]
+    v_cache[slots // block_size, :, slots % block_size] = value[: len(slot_mapping)][valid]
+
+
 def tpp_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -61,13 +71,15 @@ def tpp_decode(
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = num_heads // num_kv_heads
     k_cache, v_cache = split_kv(kv_cache)
+    device = query.device
     q = (query.float() * scale).view(batch, num_kv_heads, group, head_size)
+    seq_lens = seq_lens.to(device)
 
     # Chunk-first phase: each shared node once, for all the requests it covers.
     part_o = q.new_zeros(ctx.num_partial_rows, num_kv_heads, group, head_size)
     part_m = q.new_full((ctx.num_partial_rows, num_kv_heads, group), float("-inf"))
     part_n = q.new_zeros(ctx.num_partial_rows, num_kv_heads, group)
-    order = ctx.order.long()
+    order = ctx.order.to(device).long()
     for k in range(ctx.num_nodes):
         begin, end = int(ctx.node_begin[k]), int(ctx.node_end[k])
         rows = order[begin:end]
@@ -84,10 +96,10 @@ def tpp_decode(
         part_n[first : first + len(rows)] = n.view(num_kv_heads, len(rows), group).transpose(0, 1)
 
     # Sequence-first phase: each request's private chunks, padded into one batch.
-    shared_tokens = ctx.shared_chunks.long() * block_size
+    shared_tokens = ctx.shared_chunks.to(device).long() * block_size
     private_len = seq_lens.long() - shared_tokens
     max_private = int(private_len.max()) if batch else 0
-    pos = shared_tokens[:, None] + torch.arange(max_private)[None, :]  # [B, L]
+    pos = shared_tokens[:, None] + torch.arange(max_private, device=device)[None, :]  # [B, L]
     valid = pos < seq_lens.long()[:, None]
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
@@ -98,11 +110,12 @@ def tpp_decode(
     )  # o [B, num_kv_heads, group, D]
 
     # Merge: each request's node partials (depth <= tree depth) and its own part.
-    counts = (ctx.row_partial_offsets[1:] - ctx.row_partial_offsets[:-1]).long()
-    slot = torch.arange(int(counts.max()) if batch else 0)
+    offsets = ctx.row_partial_offsets.to(device).long()
+    counts = offsets[1:] - offsets[:-1]
+    slot = torch.arange(int(counts.max()) if batch else 0, device=device)
     has = slot[None, :] < counts[:, None]  # [B, depth]
-    idx = torch.where(has, ctx.row_partial_offsets[:-1].long()[:, None] + slot, 0)
-    rows = ctx.row_partials.long()[idx]
+    idx = torch.where(has, offsets[:-1, None] + slot, 0)
+    rows = ctx.row_partials.to(device).long()[idx]
     all_o = torch.cat([part_o[rows], o[:, None]], dim=1)
     all_m = torch.cat([part_m[rows].masked_fill(~has[..., None, None], float("-inf")), m[:, None]], dim=1)
     all_n = torch.cat([part_n[rows], n[:, None]], dim=1)
@@ -143,8 +156,8 @@ def paged_prefill(
         # [num_kv_heads, group * num_new, D], rows ordered (group, token)
         q = (query[q_begin:q_end].float() * scale).view(num_new, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_size)
-        q_pos = torch.arange(seq_len - num_new, seq_len).repeat(group)
-        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).repeat(group)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         o, _, n = _partial_attention(q, keys, values, mask[None])
         o = (o / n.unsqueeze(-1)).view(num_kv_heads, group, num_new, head_size)
         out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_size).to(out.dtype)
