@@ -112,3 +112,20 @@ def test_impl_refuses_unsupported_layers(change, expected):
 def test_impl_accepts_gqa_and_mha():
     ChunkAttentionImpl(**IMPL)
     ChunkAttentionImpl(**{**IMPL, "num_kv_heads": 8})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--attention-backend", "chunk"], ["--attention-config", '{"backend": "chunk"}']],
+    ids=["attention-backend", "attention-config"],
+)
+def test_command_line_spellings_select_chunk(argv):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+    selected = args.attention_backend or args.attention_config.backend
+    if isinstance(selected, str):
+        selected = AttentionConfig(backend=selected).backend
+    assert selected is AttentionBackendEnum.CUSTOM
