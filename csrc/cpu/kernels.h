@@ -7,7 +7,8 @@
 // head against the first `num_keys` keys of a run of chunks, and returns the
 // unnormalised partial result of the paper's equation (1):
 //   o[r] = sum_j exp(s_rj - m[r]) v_j,  m[r] = max_j s_rj,  n[r] = sum_j exp(s_rj - m[r])
-// A row that sees no key gets m = -inf, n = 0, o = 0.
+// A row that sees no key gets m = -inf, n = 0, o = 0. One call may cover
+// several KV heads (AttnJob::num_heads).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -35,6 +36,11 @@ struct AttnJob {
   float* o;               // [rows, head_size] out
   float* m;               // [rows] out
   float* n;               // [rows] out
+  // Heads head .. head + num_heads - 1 of the same keys in one call: q, o are
+  // then [num_heads, rows, head_size] and m, n [num_heads, rows]. `direct`
+  // walks each chunk's heads back to back, which in the cache are adjacent
+  // tiles of one block: long sequential reads instead of one tile per block.
+  int num_heads = 1;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);

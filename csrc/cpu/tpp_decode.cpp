@@ -18,11 +18,13 @@
 //     chunks are a large share of the phase is split along its chunks so
 //     every thread gets work even for one big shared prefix; each split
 //     writes its own fp32 partial (o, m, n).
-//   Phase 2, sequence-first: items (batch row, kv head). The row's G query
-//     heads attend its private chunks (block_table[row, shared_chunks[row]:]),
-//     last one partially filled, with K/V read once for the G heads
-//     (attend_direct); then the node partials are merged (equation 2) and
-//     the result normalised once and written in the output dtype.
+//   Phase 2, sequence-first: items (batch row, group of kv heads). For each
+//     kv head, the row's G query heads attend its private chunks
+//     (block_table[row, shared_chunks[row]:]), last one partially filled,
+//     with K/V read once for the G heads (attend_direct); the group's heads
+//     are walked chunk by chunk, so the reads stream through whole blocks.
+//     Then the node partials are merged (equation 2) and the result
+//     normalised once and written in the output dtype.
 //   Both phases run on torch's intra-op pool; items are handed out costliest
 //   first through an atomic counter (parallel_items).
 //
@@ -190,39 +192,50 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
   });
 
-  // ---- Phase 2: sequence-first, one item per (batch row, kv head); rows with
-  // the most private tokens first.
+  // ---- Phase 2: sequence-first, one item per (batch row, group of kv heads);
+  // rows with the most private tokens first. A group walks each private chunk's
+  // heads back to back: they are adjacent tiles of the block, so reads stream
+  // through whole blocks. Groups are as large as the thread count allows.
   std::vector<int32_t> rows_by_cost(batch);
   for (int64_t b = 0; b < batch; ++b) rows_by_cost[b] = static_cast<int32_t>(b);
   std::stable_sort(rows_by_cost.begin(), rows_by_cost.end(), [&](int32_t a, int32_t b) {
     return lens[a] - shc[a] * block_size > lens[b] - shc[b] * block_size;
   });
-  const cpu::AttnFn seq_kernel = group <= kern.direct_max_rows ? kern.direct : kern.lanes;
-  cpu::parallel_items(batch * num_kv_heads, [&](int64_t i) {
-    const int64_t b = rows_by_cost[i / num_kv_heads];
-    const int32_t h = static_cast<int32_t>(i % num_kv_heads);
+  const int64_t threads = at::get_num_threads();
+  const int64_t groups_per_row = std::min<int64_t>(
+      num_kv_heads, (kItemsPerThread * threads + batch - 1) / batch);
+  const int64_t heads_per_item = (num_kv_heads + groups_per_row - 1) / groups_per_row;
+  const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
+  const bool seq_direct = group <= kern.direct_max_rows;
+  cpu::parallel_items(batch * items_per_row, [&](int64_t i) {
+    const int64_t b = rows_by_cost[i / items_per_row];
+    const int32_t h0 = static_cast<int32_t>((i % items_per_row) * heads_per_item);
+    const int64_t nh = std::min<int64_t>(heads_per_item, num_kv_heads - h0);
+    const int64_t rows = nh * group;  // q heads h0*group .. (h0+nh)*group, in order
     cpu::DriverScratch& scr = cpu::driver_scratch();
-    float* q = scr.get(0, group * D);
-    float* o = scr.get(1, group * D);
-    float* mn = scr.get(2, 2 * group);
+    float* q = scr.get(0, rows * D);
+    float* o = scr.get(1, rows * D);
+    float* mn = scr.get(2, 2 * rows);
     float* acc = scr.get(3, D);
     float* m = mn;
-    float* n = mn + group;
-    for (int64_t g = 0; g < group; ++g)
-      cpu::load_scaled(q_data + b * q_s0 + (h * group + g) * q_s1, D, scale, q + g * D);
+    float* n = mn + rows;
+    for (int64_t r = 0; r < rows; ++r)
+      cpu::load_scaled(q_data + b * q_s0 + (h0 * group + r) * q_s1, D, scale, q + r * D);
     const int64_t shared = static_cast<int64_t>(shc[b]) * block_size;
     const int num_private = static_cast<int>(lens[b] - shared);
     if (num_private > 0) {
-      AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h, nullptr, o, m, n};
-      seq_kernel(kv, job);
+      AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
+                  static_cast<int>(nh)};
+      (seq_direct ? kern.direct : kern.lanes)(kv, job);
     } else {
-      std::fill(o, o + group * D, 0.f);
-      std::fill(m, m + group, -std::numeric_limits<float>::infinity());
-      std::fill(n, n + group, 0.f);
+      std::fill(o, o + rows * D, 0.f);
+      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+      std::fill(n, n + rows, 0.f);
     }
 
     // Merge (equation 2): rescale every part to the common max, sum, normalise once.
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = h0 + r / group, g = r % group;
       auto for_each_partial = [&](auto&& fn) {
         for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
           const int32_t p = rp[e];
@@ -232,11 +245,11 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
             fn(h * part_rows + (plan.slot_base[k] + static_cast<int64_t>(s) * plan.rows[k] + t) * group + g);
         }
       };
-      float m_total = m[g];
+      float m_total = m[r];
       for_each_partial([&](int64_t row) { m_total = std::max(m_total, part_m[row]); });
-      const float* own = o + g * D;
-      const float w_own = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - m_total);
-      float n_total = w_own * n[g];
+      const float* own = o + r * D;
+      const float w_own = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - m_total);
+      float n_total = w_own * n[r];
       for (int64_t d = 0; d < D; ++d) acc[d] = w_own * own[d];
       for_each_partial([&](int64_t row) {
         if (part_m[row] == -std::numeric_limits<float>::infinity()) return;
@@ -247,7 +260,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       });
       const float inv = 1.f / n_total;
       for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-      cpu::store_row(acc, D, out_data + b * o_s0 + (h * group + g) * o_s1);
+      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1);
     }
   });
 }
