@@ -17,4 +17,17 @@ namespace chunkattn {
 void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value,
                     torch::Tensor& kv_cache, const torch::Tensor& slot_mapping);
 
+// Two-phase-partition decode (csrc/cpu/tpp_decode.cpp).
+void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& order,
+                const torch::Tensor& node_begin, const torch::Tensor& node_end, const torch::Tensor& node_chunk_begin,
+                const torch::Tensor& node_chunk_end, const torch::Tensor& node_partial_offset,
+                const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
+                const torch::Tensor& row_partials, int64_t num_partial_rows, double scale);
+
+// Causal attention of new tokens over the paged cache (csrc/cpu/prefill.cpp).
+void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                   const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+                   const torch::Tensor& block_table, double scale);
+
 }  // namespace chunkattn

@@ -31,10 +31,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch; importing them fails and breaks transformers. Text serving needs none.
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
+  installed=1
 fi
 
-log "building the C++ kernels (incremental)"
-"$PY" setup.py -q build_ext --inplace 2>&1 | quiet
+# (pip's editable install above already compiled them in place)
+if [ "${installed:-0}" != 1 ]; then
+  log "building the C++ kernels (incremental)"
+  "$PY" setup.py -q build_ext --inplace 2>&1 | quiet
+fi
 
 log "patching vLLM (idempotent)"
 "$PY" -m vllm_chunkattn.patching apply

@@ -3,13 +3,30 @@
 #include <torch/extension.h>
 
 #include "chunkattn.h"
+#include "cpu/kernels.h"
+
+namespace {
+std::string cpu_isa() { return chunkattn::cpu::active_isa(); }
+}  // namespace
 
 TORCH_LIBRARY(chunkattn, m) {
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "tpp_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor order, Tensor node_begin, Tensor node_end, Tensor node_chunk_begin, Tensor node_chunk_end, "
+      "Tensor node_partial_offset, Tensor shared_chunks, Tensor row_partial_offsets, Tensor row_partials, "
+      "int num_partial_rows, float scale) -> ()");
+  m.def(
+      "paged_prefill(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor block_table, float scale) -> ()");
+  // Which SIMD build the CPU kernels use now (avx512|avx2|scalar); for tests and benchmarks.
+  m.def("cpu_isa() -> str", &cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(chunkattn, CPU, m) {
   m.impl("write_kv_cache", &chunkattn::write_kv_cache);
+  m.impl("tpp_decode", &chunkattn::tpp_decode);
+  m.impl("paged_prefill", &chunkattn::paged_prefill);
 }
 
 // Importing vllm_chunkattn._C loads this library and runs the registrations above.

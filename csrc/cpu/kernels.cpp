@@ -1,0 +1,72 @@
+// Run-time choice of the tile implementation: the widest ISA the CPU has,
+// unless CHUNKATTN_CPU_ISA (avx512|avx2|scalar) names another (tests use it to
+// cover every build on one machine).
+#include <torch/all.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "kernel_tables.h"
+
+namespace chunkattn::cpu {
+
+const KernelTable* avx512_table(c10::ScalarType, int64_t);
+const KernelTable* avx2_table(c10::ScalarType, int64_t);
+const KernelTable* scalar_table(c10::ScalarType, int64_t);
+
+namespace {
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa best_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::kAvx2;
+#endif
+  return Isa::kScalar;
+}
+
+Isa current_isa() {
+  static const Isa best = best_isa();
+  // Read on every call (a getenv is cheap next to a kernel) so tests can switch.
+  const char* forced = std::getenv("CHUNKATTN_CPU_ISA");
+  if (forced == nullptr || *forced == '\0') return best;
+  Isa want;
+  if (std::strcmp(forced, "avx512") == 0) want = Isa::kAvx512;
+  else if (std::strcmp(forced, "avx2") == 0) want = Isa::kAvx2;
+  else if (std::strcmp(forced, "scalar") == 0) want = Isa::kScalar;
+  else TORCH_CHECK(false, "CHUNKATTN_CPU_ISA must be avx512, avx2 or scalar, got '", forced, "'");
+  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "CHUNKATTN_CPU_ISA=", forced,
+              " is not supported by this CPU");
+  return want;
+}
+
+}  // namespace
+
+const char* supported_head_sizes() { return CHUNKATTN_HEAD_SIZES_STR; }
+
+const char* active_isa() {
+  switch (current_isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size) {
+  TORCH_CHECK(kv_dtype == at::kFloat || kv_dtype == at::kHalf || kv_dtype == at::kBFloat16,
+              "chunkattn: KV cache dtype must be float32, float16 or bfloat16, got ", kv_dtype);
+  const KernelTable* table = nullptr;
+  switch (current_isa()) {
+    case Isa::kAvx512: table = avx512_table(kv_dtype, head_size); break;
+    case Isa::kAvx2: table = avx2_table(kv_dtype, head_size); break;
+    default: table = scalar_table(kv_dtype, head_size); break;
+  }
+  TORCH_CHECK(table != nullptr, "chunkattn: head size ", head_size, " is not supported by the CPU kernels (supported: ",
+              CHUNKATTN_HEAD_SIZES_STR, ")");
+  return *table;
+}
+
+}  // namespace chunkattn::cpu

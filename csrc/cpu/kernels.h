@@ -1,0 +1,73 @@
+// Interface between the op drivers (tpp_decode.cpp, prefill.cpp) and the
+// per-ISA attention tiles (attention_tiles.inc, built by kernels_<isa>.cpp).
+//
+// The drivers own the parallel decomposition and the bookkeeping (prefix-tree
+// context, partial results, merging, output dtype); the tiles own the inner
+// loops. One tile call attends `rows` pre-scaled fp32 query rows of one KV
+// head against the first `num_keys` keys of a run of chunks, and returns the
+// unnormalised partial result of the paper's equation (1):
+//   o[r] = sum_j exp(s_rj - m[r]) v_j,  m[r] = max_j s_rj,  n[r] = sum_j exp(s_rj - m[r])
+// A row that sees no key gets m = -inf, n = 0, o = 0. One call may cover
+// several KV heads (AttnJob::num_heads).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace chunkattn::cpu {
+
+// One layer's KV cache, [num_blocks, num_kv_heads, block_size, 2 * head_size]:
+// for (block, head) the K tile [block_size, head_size] and then the V tile.
+struct KvView {
+  const void* data;
+  int64_t block_stride;  // elements
+  int64_t head_stride;   // elements
+  int block_size;
+};
+
+struct AttnJob {
+  const float* q;         // [rows, head_size], already multiplied by the softmax scale
+  int rows;
+  const int32_t* blocks;  // block ids of consecutive chunks; key k lives in blocks[k / block_size]
+  int num_keys;
+  int head;               // KV head
+  const float* q_pos;     // optional causal limit: key k is masked for row r when k > q_pos[r]
+  float* o;               // [rows, head_size] out
+  float* m;               // [rows] out
+  float* n;               // [rows] out
+  // Heads head .. head + num_heads - 1 of the same keys in one call: q, o are
+  // then [num_heads, rows, head_size] and m, n [num_heads, rows]. `direct`
+  // walks each chunk's heads back to back, which in the cache are adjacent
+  // tiles of one block: long sequential reads instead of one tile per block.
+  int num_heads = 1;
+};
+
+using AttnFn = void (*)(const KvView&, const AttnJob&);
+
+struct KernelTable {
+  const char* isa;
+  int lane_width;       // W: floats per vector register
+  int direct_max_rows;  // `direct` handles 1..direct_max_rows rows
+  // Few rows (a request's GQA group): per-row dot products, K/V read once
+  // for all rows, no packing.
+  AttnFn direct;
+  // Many rows (a shared node's batch of queries, a prefill tile): queries in
+  // vector lanes, a register-blocked matrix-matrix product against the
+  // chunk's K and V; each K/V element loaded once serves a whole register
+  // tile of queries.
+  AttnFn lanes;
+};
+
+// Kernels for the KV dtype and head size on the best ISA of this CPU, or the
+// one named by the CHUNKATTN_CPU_ISA environment variable (avx512|avx2|scalar).
+// Throws (TORCH_CHECK) for an unsupported head size or dtype.
+const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size);
+
+// Comma-separated list of supported head sizes, for error messages.
+const char* supported_head_sizes();
+
+// Name of the ISA select_kernels would use now.
+const char* active_isa();
+
+}  // namespace chunkattn::cpu

@@ -1,0 +1,15 @@
+// Portable build of the attention tiles (see attention_tiles.inc), for CPUs
+// without AVX2/FMA/F16C and as a cross-check of the vector builds.
+#include <algorithm>
+#include <vector>
+
+#include "kernel_tables.h"
+#include "simd.h"
+
+namespace chunkattn::cpu::scalar {
+using V = simd::Scalar;
+constexpr const char* kIsaName = "scalar";
+#include "attention_tiles.inc"
+}  // namespace chunkattn::cpu::scalar
+
+CHUNKATTN_DEFINE_TABLE_LOOKUP(scalar, scalar_table)

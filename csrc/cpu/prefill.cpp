@@ -1,0 +1,147 @@
+// Causal attention of many new tokens per request over the paged KV cache on
+// CPU: prefill, chunked prefill, prefill after a prefix-cache hit.
+//
+// Tensors:
+//   query, out       [T, num_heads, D]; request i owns rows qsl[i]:qsl[i+1]
+//                    (rows may be strided, the last dim contiguous).
+//   kv_cache         [num_blocks, num_kv_heads, block_size, 2*D] (chunkattn.h).
+//   query_start_loc  [R+1] int32/int64, seq_lens [R] int32/int64 (context incl.
+//                    the new tokens), block_table [R, max_blocks] int32.
+//   Request i's new tokens are the last (qsl[i+1]-qsl[i]) of its seq_lens[i]
+//   tokens; new token t sees keys 0 .. seq_len - num_new + t.
+//
+// Work decomposition (G = num_heads / num_kv_heads): items (request, kv head,
+// query tile). A tile is kTileRows / G consecutive new tokens x the G query
+// heads of the kv head, i.e. a [tokens*G, D] query matrix attended, flash
+// attention style, against the request's chunks up to the tile's last
+// position (attend_lanes: matrix-matrix register tiles, online softmax, the
+// causal mask only on chunks that cross the diagonal). Items are handed out on
+// torch's intra-op pool costliest (longest context) first.
+#include <ATen/Dispatch.h>
+
+#include "chunkattn.h"
+#include "cpu/driver_utils.h"
+#include "cpu/kernels.h"
+
+namespace chunkattn {
+
+namespace {
+
+using cpu::AttnJob;
+using cpu::KernelTable;
+using cpu::KvView;
+
+// Query rows (tokens x G) per item: enough rows that each K/V element loaded
+// serves several lane vectors, few enough that short prompts still spread
+// over the threads.
+constexpr int64_t kTileRows = 64;
+
+std::vector<int64_t> to_int64(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+              "chunkattn: ", name, " must be a 1-D int32/int64 CPU tensor");
+  const torch::Tensor c = t.to(at::kLong).contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+template <typename qscalar_t>
+void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                        const std::vector<int64_t>& qsl, const std::vector<int64_t>& lens,
+                        const torch::Tensor& block_table, float scale) {
+  const int64_t num_heads = query.size(1), D = query.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_reqs = static_cast<int64_t>(lens.size());
+  const KernelTable& kern = cpu::select_kernels(kv_cache.scalar_type(), D);
+  const KvView kv{kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), static_cast<int>(block_size)};
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  const qscalar_t* q_data = query.data_ptr<qscalar_t>();
+  qscalar_t* out_data = out.data_ptr<qscalar_t>();
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+
+  struct Item {
+    int32_t req, head;
+    int64_t t0, t1;  // new tokens [t0, t1) of the request
+    double cost;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t num_new = qsl[i + 1] - qsl[i];
+    TORCH_CHECK(num_new >= 0 && num_new <= lens[i], "chunkattn: request ", i, " has ", num_new,
+                " new tokens but seq_len ", lens[i]);
+    TORCH_CHECK((lens[i] + block_size - 1) / block_size <= block_table.size(1), "chunkattn: request ", i,
+                " needs more blocks than the block table has");
+    const int64_t ctx = lens[i] - num_new;
+    for (int64_t t0 = 0; t0 < num_new; t0 += tile_tokens) {
+      const int64_t t1 = std::min(num_new, t0 + tile_tokens);
+      const double cost = static_cast<double>((t1 - t0) * group) * (ctx + t1);
+      for (int32_t h = 0; h < num_kv_heads; ++h) items.push_back({static_cast<int32_t>(i), h, t0, t1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  cpu::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+    const Item& it = items[idx];
+    const int64_t num_new = qsl[it.req + 1] - qsl[it.req];
+    const int64_t ctx = lens[it.req] - num_new;
+    const int64_t rows = (it.t1 - it.t0) * group;
+    cpu::DriverScratch& scr = cpu::driver_scratch();
+    float* q = scr.get(0, rows * D);
+    float* o = scr.get(1, rows * D);
+    float* mn = scr.get(2, 3 * rows);
+    float* m = mn;
+    float* n = mn + rows;
+    float* q_pos = mn + 2 * rows;
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      const int64_t token = qsl[it.req] + t;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (t - it.t0) * group + g;
+        cpu::load_scaled(q_data + token * q_s0 + (it.head * group + g) * q_s1, D, scale, q + r * D);
+        q_pos[r] = static_cast<float>(ctx + t);
+      }
+    }
+    AttnJob job{q, static_cast<int>(rows), table + it.req * table_stride, static_cast<int>(ctx + it.t1), it.head,
+                q_pos, o, m, n};
+    (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = it.t0 + r / group, g = r % group;
+      const float inv = 1.f / n[r];  // every row sees at least key 0
+      float* orow = o + r * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+      cpu::store_row(orow, D, out_data + (qsl[it.req] + t) * o_s0 + (it.head * group + g) * o_s1);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                   const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+                   const torch::Tensor& block_table, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
+              "chunkattn: query and out must be [num_tokens, num_heads, head_size] of the same shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "chunkattn: out dtype must match query dtype");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kHalf ||
+                  query.scalar_type() == at::kBFloat16,
+              "chunkattn: query dtype must be float32, float16 or bfloat16");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
+              "chunkattn: kv_cache must be contiguous [num_blocks, num_kv_heads, block_size, 2*head_size]");
+  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "chunkattn: num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
+              "chunkattn: block_table must be int32 [num_reqs, max_blocks] with contiguous rows");
+  const std::vector<int64_t> qsl = to_int64(query_start_loc, "query_start_loc");
+  std::vector<int64_t> lens = to_int64(seq_lens, "seq_lens");
+  TORCH_CHECK(!qsl.empty() && qsl.size() >= lens.size() + 1 && qsl[0] >= 0, "chunkattn: query_start_loc must have num_reqs + 1 entries");
+  TORCH_CHECK(static_cast<int64_t>(lens.size()) <= block_table.size(0), "chunkattn: block_table has fewer rows than requests");
+  TORCH_CHECK(qsl[lens.size()] <= query.size(0), "chunkattn: query_start_loc points past the query rows");
+  if (lens.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_paged_prefill", [&] {
+    paged_prefill_impl<scalar_t>(out, query, kv_cache, qsl, lens, block_table, static_cast<float>(scale));
+  });
+}
+
+}  // namespace chunkattn

@@ -1,0 +1,252 @@
+// Thin SIMD wrappers used by the attention tiles (attention_tiles.inc).
+//
+// One struct per instruction set, all with the same static interface, so the
+// tile code is written once and compiled once per ISA (kernels_<isa>.cpp):
+//   W        lanes of one float register
+//   kRegs    architectural vector registers (sizes the register blocks)
+//   reg      the float register type
+//   zero/set1/load/store, load(const T*) converting bf16/fp16 -> fp32,
+//   load_pairs (2W bf16 -> even-indexed and odd-indexed values as fp32),
+//   add/sub/mul/max/fma, hsum/hmax, exp, fill_gt (masking).
+//
+// Each struct is defined inside a `#pragma GCC target` region, so its member
+// functions may use that ISA's intrinsics while the rest of the library is
+// built for the baseline x86-64; which one runs is decided at run time
+// (kernels.cpp). Code that *calls* these members must itself be compiled for
+// the same target, which is why the tile code is included per ISA.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define CHUNKATTN_X86 1
+#endif
+
+namespace chunkattn::simd {
+
+// Cephes-style expf constants, shared by all ISAs. Inputs below kExpLo return
+// exactly 0 (exp(-inf) must be 0 for masked and empty rows).
+constexpr float kExpHi = 88.3762626647949f;
+constexpr float kExpLo = -87.3365447505531f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP0 = 1.9875691500E-4f;
+constexpr float kExpP1 = 1.3981999507E-3f;
+constexpr float kExpP2 = 8.3334519073E-3f;
+constexpr float kExpP3 = 4.1665795894E-2f;
+constexpr float kExpP4 = 1.6666665459E-1f;
+constexpr float kExpP5 = 5.0000001201E-1f;
+
+inline float bf16_to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// ---------------------------------------------------------------------------
+// Portable fallback: 4 lanes as a GCC vector extension, lowered to whatever
+// the baseline target has (one SSE2 register on x86-64).
+struct Scalar {
+  static constexpr int W = 4;
+  static constexpr int kRegs = 16;
+  typedef float reg __attribute__((vector_size(16)));
+  static inline const char* name() { return "scalar"; }
+
+  static inline reg zero() { return set1(0.f); }
+  static inline reg set1(float x) { return reg{x, x, x, x}; }
+  static inline reg load(const float* p) {
+    reg r;
+    std::memcpy(&r, p, sizeof(r));
+    return r;
+  }
+  static inline reg load(const c10::BFloat16* p) {
+    reg r;
+    for (int i = 0; i < W; ++i) r[i] = bf16_to_float(p[i]);
+    return r;
+  }
+  static inline reg load(const c10::Half* p) {
+    reg r;
+    for (int i = 0; i < W; ++i) r[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static inline void store(float* p, reg a) { std::memcpy(p, &a, sizeof(a)); }
+  // 2W bf16 -> even elements, odd elements (see Avx512::load_pairs)
+  static inline void load_pairs(const c10::BFloat16* p, reg& even, reg& odd) {
+    for (int i = 0; i < W; ++i) {
+      even[i] = bf16_to_float(p[2 * i]);
+      odd[i] = bf16_to_float(p[2 * i + 1]);
+    }
+  }
+  static inline reg add(reg a, reg b) { return a + b; }
+  static inline reg sub(reg a, reg b) { return a - b; }
+  static inline reg mul(reg a, reg b) { return a * b; }
+  static inline reg max(reg a, reg b) { return a > b ? a : b; }
+  static inline reg fma(reg a, reg b, reg c) { return a * b + c; }
+  static inline float hsum(reg a) {
+    float s = 0.f;
+    for (int i = 0; i < W; ++i) s += a[i];
+    return s;
+  }
+  static inline float hmax(reg a) {
+    float s = a[0];
+    for (int i = 1; i < W; ++i) s = a[i] > s ? a[i] : s;
+    return s;
+  }
+  static inline reg exp(reg a) {
+    reg r;
+    for (int i = 0; i < W; ++i) r[i] = a[i] < kExpLo ? 0.f : std::exp(a[i]);
+    return r;
+  }
+  // (a > b) ? fill : x, lane-wise
+  static inline reg fill_gt(reg x, reg a, reg b, float fill) { return a > b ? set1(fill) : x; }
+};
+
+#ifdef CHUNKATTN_X86
+
+// ---------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+struct Avx2 {
+  static constexpr int W = 8;
+  static constexpr int kRegs = 16;
+  using reg = __m256;
+  static inline const char* name() { return "avx2"; }
+
+  static inline reg zero() { return _mm256_setzero_ps(); }
+  static inline reg set1(float x) { return _mm256_set1_ps(x); }
+  static inline reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline reg load(const c10::BFloat16* p) {
+    // bf16 is the top half of an fp32: widen and shift, no rounding involved.
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline reg load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store(float* p, reg a) { _mm256_storeu_ps(p, a); }
+  static inline void load_pairs(const c10::BFloat16* p, reg& even, reg& odd) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static inline reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static inline reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static inline reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float hsum(reg a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline float hmax(reg a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline reg exp(reg x) {
+    const reg under = _mm256_cmp_ps(x, set1(kExpLo), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, set1(kExpLo)), set1(kExpHi));
+    const reg fx = _mm256_round_ps(_mm256_mul_ps(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    reg r = _mm256_fnmadd_ps(fx, set1(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(fx, set1(kLn2Lo), r);
+    reg p = set1(kExpP0);
+    p = fma(p, r, set1(kExpP1));
+    p = fma(p, r, set1(kExpP2));
+    p = fma(p, r, set1(kExpP3));
+    p = fma(p, r, set1(kExpP4));
+    p = fma(p, r, set1(kExpP5));
+    p = fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+  static inline reg fill_gt(reg x, reg a, reg b, float fill) {
+    return _mm256_blendv_ps(x, set1(fill), _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
+};
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+struct Avx512 {
+  static constexpr int W = 16;
+  static constexpr int kRegs = 32;
+  using reg = __m512;
+  static inline const char* name() { return "avx512"; }
+
+  static inline reg zero() { return _mm512_setzero_ps(); }
+  static inline reg set1(float x) { return _mm512_set1_ps(x); }
+  static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline reg load(const c10::BFloat16* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline reg load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline void store(float* p, reg a) { _mm512_storeu_ps(p, a); }
+  // 2W bf16 values as the fp32 of the even-indexed ones and of the odd-indexed
+  // ones: a shift and a mask, where widening them in order takes a
+  // lane-crossing shuffle per W values (2 cycles per zmm on Zen 4).
+  static inline void load_pairs(const c10::BFloat16* p, reg& even, reg& odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static inline reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static inline reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float hsum(reg a) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline float hmax(reg a) {
+    __m256 s8 = _mm256_max_ps(_mm512_castps512_ps256(a),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline reg exp(reg x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(kExpLo), _CMP_GE_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(kExpLo)), set1(kExpHi));
+    const reg fx = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    reg r = _mm512_fnmadd_ps(fx, set1(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(fx, set1(kLn2Lo), r);
+    reg p = set1(kExpP0);
+    p = fma(p, r, set1(kExpP1));
+    p = fma(p, r, set1(kExpP2));
+    p = fma(p, r, set1(kExpP3));
+    p = fma(p, r, set1(kExpP4));
+    p = fma(p, r, set1(kExpP5));
+    p = fma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.f)));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, fx));
+  }
+  static inline reg fill_gt(reg x, reg a, reg b, float fill) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), x, set1(fill));
+  }
+};
+#pragma GCC pop_options
+
+#endif  // CHUNKATTN_X86
+
+}  // namespace chunkattn::simd
