@@ -301,3 +301,17 @@ def test_write_kv_cache(emu, dtype, slot_dtype):
     )
     assert err is None, err.decode()
     assert torch.equal(cache, expected)
+
+
+def test_compile_report_states_the_compiled_shared_memory(emu):
+    """scripts/check_cuda_compile.py reports dynamic shared memory from a formula;
+    it must equal what the kernels are compiled with."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_cuda_compile.py"
+    spec = importlib.util.spec_from_file_location("check_cuda_compile", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for head_size in (64, 128, 256):
+        assert script.dynamic_smem_bytes(head_size) == emu.emu_attention_smem_bytes(head_size)

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention.cuh"
 #include "cuda/launch.h"
 
 namespace {
@@ -164,3 +165,18 @@ extern "C" void emu_set_cp_async_early(int early) { emu::g_cp_async_early = earl
 
 // Warp scheduling policy of the emulator (simt_emulator.h, g_schedule).
 extern "C" void emu_set_schedule(int policy) { emu::g_schedule = policy; }
+
+// Dynamic shared memory of the attention kernels (SmemLayout<D>::kBytes), so
+// tests can hold scripts/check_cuda_compile.py's table to the compiled value.
+extern "C" int emu_attention_smem_bytes(int head_size) {
+  switch (head_size) {
+    case 64:
+      return chunkattn::cuda::SmemLayout<64>::kBytes;
+    case 128:
+      return chunkattn::cuda::SmemLayout<128>::kBytes;
+    case 256:
+      return chunkattn::cuda::SmemLayout<256>::kBytes;
+    default:
+      return -1;
+  }
+}
