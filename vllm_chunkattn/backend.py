@@ -265,6 +265,12 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 max_partial_rows=CUDA_PARTIAL_ROWS_PER_REQUEST * max_batch,
                 device=device,
             )
+            logger.info_once(
+                "%s attention on the CUDA kernels (vllm_chunkattn._C_cuda); CUDA graphs: "
+                "UNIFORM_SINGLE_TOKEN_DECODE (pure-decode batches); tree context capacity: "
+                "%d requests, %d nodes, %d partial rows.",
+                BACKEND_NAME, max_batch, self.device_tree.max_nodes, self.device_tree.max_partial_rows,
+            )
         if not vllm_config.cache_config.enable_prefix_caching:
             logger.warning(
                 "%s attention with prefix caching disabled: requests share no KV "
