@@ -1,0 +1,1 @@
+"""Benchmarks of the kernels and of serving (see each module's docstring)."""
