@@ -236,21 +236,19 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
       });
 }
 
-struct Merged {
-  float m = kNegInf, n = 0.f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  __device__ __forceinline__ void add(float2 ml, float4 po) {
-    if (ml.x == kNegInf) return;  // a part that saw nothing
-    const float m_new = fmaxf(m, ml.x);
-    const float a = fast_exp2(m - m_new), c = fast_exp2(ml.x - m_new);
-    o.x = o.x * a + po.x * c;
-    o.y = o.y * a + po.y * c;
-    o.z = o.z * a + po.z * c;
-    o.w = o.w * a + po.w * c;
-    n = n * a + ml.y * c;
-    m = m_new;
-  }
-};
+// Online-softmax merge of one part (m, n, o) into a running (m, n, o): paper
+// equation (2), in the log2 domain. A part that saw nothing (m = -inf) is skipped.
+__device__ __forceinline__ void merge_part(float& m, float& n, float4& o, float2 ml, float4 po) {
+  if (ml.x == kNegInf) return;
+  const float m_new = fmaxf(m, ml.x);
+  const float a = fast_exp2(m - m_new), c = fast_exp2(ml.x - m_new);
+  o.x = o.x * a + po.x * c;
+  o.y = o.y * a + po.y * c;
+  o.z = o.z * a + po.z * c;
+  o.w = o.w * a + po.w * c;
+  n = n * a + ml.y * c;
+  m = m_new;
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams p) {
@@ -265,7 +263,8 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.out_stride_row;
   for (int i = threadIdx.x; i < G * (D / 4); i += blockDim.x) {
     const int hq = h * G + i / (D / 4), d = (i % (D / 4)) * 4;
-    Merged acc;
+    float m = kNegInf, n = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int e = e_begin; e < e_end; ++e) {
       const int row = p.row_partials[e];
       if (row < 0 || row >= p.num_partial_rows) continue;
@@ -274,16 +273,15 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
         const int slot = meta.x + j * meta.y;
         if (slot < 0 || slot >= p.piece_row_capacity) continue;
         const int64_t idx = static_cast<int64_t>(slot) * p.num_heads + hq;
-        acc.add(p.piece_ml[idx], *reinterpret_cast<const float4*>(p.piece_o + idx * D + d));
+        merge_part(m, n, o, p.piece_ml[idx], *reinterpret_cast<const float4*>(p.piece_o + idx * D + d));
       }
     }
     for (int s = 0; s < splits; ++s) {
       const int64_t idx = (static_cast<int64_t>(b) * p.num_splits + s) * p.num_heads + hq;
-      acc.add(p.split_ml[idx], *reinterpret_cast<const float4*>(p.split_o + idx * D + d));
+      merge_part(m, n, o, p.split_ml[idx], *reinterpret_cast<const float4*>(p.split_o + idx * D + d));
     }
-    const float inv = acc.n > 0.f ? 1.f / acc.n : 0.f;
-    store4<T>(out + static_cast<int64_t>(hq) * p.out_stride_head + d, acc.o.x * inv, acc.o.y * inv,
-              acc.o.z * inv, acc.o.w * inv);
+    const float inv = n > 0.f ? 1.f / n : 0.f;
+    store4<T>(out + static_cast<int64_t>(hq) * p.out_stride_head + d, o.x * inv, o.y * inv, o.z * inv, o.w * inv);
   }
 }
 
