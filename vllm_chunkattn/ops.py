@@ -10,6 +10,8 @@ against `reference.py`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import vllm_chunkattn._C  # noqa: F401  (registers torch.ops.chunkattn.* and their CPU kernels)
@@ -35,7 +37,12 @@ def cuda_kernels_available() -> bool:
 
 def _compiled(name: str, device: torch.device):
     """The compiled kernel of op `name` for `device`, or None."""
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
+    return _compiled_for(name, device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_for(name: str, device_type: str):
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(f"chunkattn::{name}", key):
         return None
     return getattr(torch.ops.chunkattn, name)

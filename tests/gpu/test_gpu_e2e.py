@@ -51,6 +51,9 @@ def test_chunk_matches_flash_attention(tmp_path, name):
     assert "CUDA kernels (vllm_chunkattn._C_cuda)" in chunk["log"]
     if graphs:
         assert "UNIFORM_SINGLE_TOKEN_DECODE" in chunk["log"]
+        assert "Graph capturing finished" in chunk["log"], "vLLM captured no CUDA graphs"
+        # vLLM's capture progress bar names the decode graphs FULL when the backend allows it
+        assert "decode, FULL" in chunk["log"] or "Capturing CUDA graphs" not in chunk["log"]
     report = compare_runs(stock, chunk, atol, near_tie)
     print(name, {k: v for k, v in report.items() if k != "problems"})
     assert not report["problems"], "\n".join(report["problems"][:20])
