@@ -4,6 +4,12 @@ library and loads it with ctypes. Needs g++ and the CUDA headers (cuda_fp16.h,
 cuda_bf16.h, cuda_runtime_api.h; no GPU, no CUDA runtime library).
 
     python tests/emulator/build.py      # builds, prints the library path
+
+With CHUNKATTN_EMU_SANITIZE=1 the library is built with AddressSanitizer;
+run the tests with it preloaded to catch out-of-bounds accesses by the kernels:
+
+    CHUNKATTN_EMU_SANITIZE=1 LD_PRELOAD=$(g++ -print-file-name=libasan.so) \
+    ASAN_OPTIONS=detect_leaks=0 pytest tests/test_cuda_emulated.py
 """
 
 from __future__ import annotations
@@ -45,13 +51,16 @@ def build(out_dir: Path | None = None) -> Path:
     include = cuda_include_dir()
     files = [ROOT / "csrc" / "cuda" / s for s in SOURCES] + sorted((ROOT / "csrc" / "cuda").glob("*.cuh"))
     files += [ROOT / "csrc" / "cuda" / "launch.h", HERE / "simt_emulator.h", HERE / "emulated_ops.cpp"]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    sanitize = os.environ.get("CHUNKATTN_EMU_SANITIZE", "") not in ("", "0")  # AddressSanitizer build
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + bytes([sanitize])).hexdigest()[:16]
     out_dir = out_dir or Path(os.environ.get("CHUNKATTN_EMU_BUILD", ROOT / "build" / "emulator"))
     lib = out_dir / f"libchunkattn_emu_{digest}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-std=c++17", "-O2", "-fPIC", "-DCHUNKATTN_EMULATE", f"-I{ROOT / 'csrc'}", f"-I{HERE}", f"-I{include}"]
+    if sanitize:
+        flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
     objects = []
     for src in [ROOT / "csrc" / "cuda" / s for s in SOURCES] + [HERE / "emulated_ops.cpp"]:
         obj = out_dir / f"{src.stem}_{digest}.o"
@@ -59,7 +68,8 @@ def build(out_dir: Path | None = None) -> Path:
         subprocess.run(["g++", *flags, *lang, "-c", str(src), "-o", str(obj)], check=True)
         objects.append(str(obj))
     tmp = lib.with_suffix(".tmp")
-    subprocess.run(["g++", "-shared", *objects, "-o", str(tmp)], check=True)
+    subprocess.run(["g++", "-shared", *objects, "-o", str(tmp), *(["-fsanitize=address"] if sanitize else [])],
+                   check=True)
     tmp.rename(lib)
     return lib
 
