@@ -9,7 +9,10 @@ With CHUNKATTN_EMU_SANITIZE=1 the library is built with AddressSanitizer;
 run the tests with it preloaded to catch out-of-bounds accesses by the kernels:
 
     CHUNKATTN_EMU_SANITIZE=1 LD_PRELOAD=$(g++ -print-file-name=libasan.so) \
-    ASAN_OPTIONS=detect_leaks=0 pytest tests/test_cuda_emulated.py
+    ASAN_OPTIONS=detect_leaks=0:log_path=/tmp/asan pytest tests/test_cuda_emulated.py
+
+(a report from inside a kernel fiber ends the process with exit code 1; read
+it in /tmp/asan.*).
 """
 
 from __future__ import annotations
