@@ -3,7 +3,9 @@
 The CPU extension (csrc/cpu) is always built. The CUDA extension (csrc/cuda)
 is built only when the installed torch has CUDA and nvcc is available; with a
 CPU torch it is skipped with a message, so `pip install` works on both kinds
-of host.
+of host. CUDA architectures: TORCH_CUDA_ARCH_LIST, default "8.0 8.6 8.9 9.0"
+(A100, A10/A40/RTX 30xx, L4/L40/RTX 40xx, H100/H200). Set
+VLLM_CHUNKATTN_SKIP_CUDA=1 to build the CPU kernels only. See docs/cuda.md.
 """
 
 import glob
@@ -36,18 +38,28 @@ def _extensions():
     import torch
 
     cuda_sources = _sources("csrc/cuda/*.cu")
-    if torch.version.cuda and cpp_extension.CUDA_HOME and cuda_sources:
+    skip = os.environ.get("VLLM_CHUNKATTN_SKIP_CUDA", "0") not in ("", "0")
+    if cuda_sources and not skip and torch.version.cuda and cpp_extension.CUDA_HOME:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0 8.6 8.9 9.0")
         exts.append(
             cpp_extension.CUDAExtension(
                 name="vllm_chunkattn._C_cuda",
                 sources=cuda_sources + _sources("csrc/cuda/*.cpp"),
                 include_dirs=[os.path.join(ROOT, "csrc")],
-                extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ["-O3", "-std=c++20"]},
+                extra_compile_args={
+                    "cxx": ["-O3", "-std=c++20"],
+                    "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
+                },
             )
         )
     elif cuda_sources:
-        print("vllm-chunkattn: torch has no CUDA; building the CPU kernels only")
+        if skip:
+            why = "VLLM_CHUNKATTN_SKIP_CUDA is set"
+        elif not torch.version.cuda:
+            why = f"torch {torch.__version__} has no CUDA"
+        else:
+            why = "nvcc / CUDA_HOME not found"
+        print(f"vllm-chunkattn: {why}; building the CPU kernels only (no vllm_chunkattn._C_cuda)")
     return exts
 
 

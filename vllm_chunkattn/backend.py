@@ -11,6 +11,11 @@ prefill rows.
 KV cache layout: vLLM hands each layer a [num_blocks, num_kv_heads,
 block_size, 2 * head_size] tensor (layout LBHNC); we read each block and KV
 head as a key tile followed by a value tile (csrc/chunkattn.h).
+
+On CUDA (csrc/cuda, docs/cuda.md) the kernels take float16/bfloat16, block
+sizes 16 to 128, compute capability 8.0+; the decode context lives in
+fixed-capacity device buffers (device_context.py), so pure-decode batches run
+under vLLM's full CUDA graphs (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from typing import ClassVar
 import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
@@ -34,6 +41,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_chunkattn import BACKEND_NAME, ops
+from vllm_chunkattn.device_context import DeviceTreeBuffers
 from vllm_chunkattn.tree import PrefixTreeCache, PrefixTreeContext
 
 logger = init_logger(__name__)
@@ -41,6 +49,26 @@ logger = init_logger(__name__)
 SUPPORTED_HEAD_SIZES = [64, 128, 256]
 SUPPORTED_BLOCK_SIZES = [32, 64, 128]
 SUPPORTED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The CUDA kernels (csrc/cuda): tensor-core MMA in float16/bfloat16 from sm_80 on.
+CUDA_BLOCK_SIZES = [16, 32, 64, 128]
+CUDA_DTYPES = [torch.float16, torch.bfloat16]
+CUDA_MIN_CAPABILITY = (8, 0)
+# Capacity of the device tree context per decode request slot: partial-result
+# rows (sum over shared nodes of the requests each covers). A deeper tree is
+# cut to its top levels (device_context.fit_context), which stays exact.
+CUDA_PARTIAL_ROWS_PER_REQUEST = 4
+
+
+def _on_cuda() -> bool:
+    return current_platform.is_cuda()
+
+
+def _block_sizes(cuda: bool) -> list[int]:
+    return CUDA_BLOCK_SIZES if cuda else SUPPORTED_BLOCK_SIZES
+
+
+def _dtypes(cuda: bool) -> list[torch.dtype]:
+    return CUDA_DTYPES if cuda else SUPPORTED_DTYPES
 
 
 def _names(values) -> str:
@@ -68,7 +96,7 @@ class ChunkAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
-        return list(SUPPORTED_BLOCK_SIZES)
+        return list(_block_sizes(_on_cuda()))
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -81,18 +109,43 @@ class ChunkAttentionBackend(AttentionBackend):
     @classmethod
     def validate_configuration(cls, **config) -> list[str]:
         """vLLM's reasons, reworded so each names what is supported."""
+        return cls.configuration_reasons(_on_cuda(), **config)
+
+    @classmethod
+    def configuration_reasons(cls, cuda: bool, **config) -> list[str]:
+        """Why `config` is unsupported on the CUDA (cuda=True) or CPU platform."""
         reasons = []
         head_size, block_size = config["head_size"], config["block_size"]
+        dtypes, block_sizes = _dtypes(cuda), _block_sizes(cuda)
         if head_size not in SUPPORTED_HEAD_SIZES:
             reasons.append(f"head size {head_size} (supported: {_names(SUPPORTED_HEAD_SIZES)})")
-        if config["dtype"] not in SUPPORTED_DTYPES:
-            reasons.append(f"dtype {_names([config['dtype']])} (supported: {_names(SUPPORTED_DTYPES)})")
+        if config["dtype"] not in dtypes:
+            on = " on CUDA" if cuda else ""
+            reasons.append(f"dtype {_names([config['dtype']])}{on} (supported: {_names(dtypes)})")
         if config.get("kv_cache_dtype") not in (None, "auto"):
             reasons.append(
                 f"kv_cache_dtype {config['kv_cache_dtype']} (supported: auto, i.e. the model dtype)"
             )
-        if block_size is not None and block_size not in SUPPORTED_BLOCK_SIZES:
-            reasons.append(f"block size {block_size} (supported: {_names(SUPPORTED_BLOCK_SIZES)})")
+        if block_size is not None and block_size not in block_sizes:
+            reasons.append(f"block size {block_size} (supported: {_names(block_sizes)})")
+        if cuda:
+            capability = config.get("device_capability")
+            if capability is not None and (capability.major, capability.minor) < CUDA_MIN_CAPABILITY:
+                reasons.append(
+                    f"compute capability {capability.major}.{capability.minor} (supported: "
+                    f"{CUDA_MIN_CAPABILITY[0]}.{CUDA_MIN_CAPABILITY[1]} and newer, e.g. A100, L4, H100)"
+                )
+            if not ops.cuda_kernels_available():
+                reasons.append(
+                    "running without its compiled CUDA kernels (vllm_chunkattn._C_cuda: "
+                    f"{ops.CUDA_KERNELS_ERROR}) (supported: an installation built against a CUDA torch, "
+                    "`pip install --no-build-isolation .[cuda]`, see docs/cuda.md)"
+                )
+        if config.get("use_batch_invariant"):
+            reasons.append(
+                "batch-invariant mode (supported: outputs that may change in the last bits with the "
+                "batch's prefix tree)"
+            )
         unsupported_features = {
             "use_mla": "MLA",
             "use_sparse": "sparse attention",
@@ -165,6 +218,23 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
     # Ask the runner to put single-token requests first, so decodes are one slice.
     reorder_batch_threshold: int | None = 1
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """UNIFORM_SINGLE_TOKEN_DECODE with the CUDA kernels: pure-decode batches
+        may replay full CUDA graphs, because the decode launches (KV write, TPP
+        plan / attend / merge) size their grids and workspace from shapes
+        only, read every value (block tables, sequence lengths, the tree
+        context) from device buffers that stay in place (vLLM's persistent
+        inputs, DeviceTreeBuffers here, refreshed by in-place copies in
+        build()), and the Python forward takes no data-dependent branch within
+        a pure-decode batch. Batches with prefills are not captured: the
+        forward's decode/prefill split is fixed at capture. NEVER otherwise:
+        the PyTorch fallback reads the tree on the host."""
+        dtype = getattr(kv_cache_spec, "dtype", None)
+        if _on_cuda() and ops.cuda_kernels_available() and dtype in CUDA_DTYPES:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
     def __init__(
         self,
         kv_cache_spec: AttentionSpec,
@@ -174,10 +244,32 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
-        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+        on_cuda = torch.device(device).type == "cuda"
+        block_sizes = _block_sizes(on_cuda)
+        if self.block_size not in block_sizes:
             raise ValueError(
                 f"{BACKEND_NAME} does not support block size {self.block_size} "
-                f"(supported: {_names(SUPPORTED_BLOCK_SIZES)}); set --block-size"
+                f"(supported: {_names(block_sizes)}); set --block-size"
+            )
+        # On CUDA with the compiled kernels, the decode context goes to fixed-
+        # capacity device buffers (CUDA-graph safe); else it stays on the host.
+        self.device_tree: DeviceTreeBuffers | None = None
+        if on_cuda and ops.cuda_kernels_available() and kv_cache_spec.dtype in CUDA_DTYPES:
+            max_batch = max(
+                vllm_config.scheduler_config.max_num_seqs,
+                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+            )
+            self.device_tree = DeviceTreeBuffers(
+                max_batch=max_batch,
+                max_nodes=max_batch - 1,
+                max_partial_rows=CUDA_PARTIAL_ROWS_PER_REQUEST * max_batch,
+                device=device,
+            )
+            logger.info_once(
+                "%s attention on the CUDA kernels (vllm_chunkattn._C_cuda); CUDA graphs: "
+                "UNIFORM_SINGLE_TOKEN_DECODE (pure-decode batches); tree context capacity: "
+                "%d requests, %d nodes, %d partial rows.",
+                BACKEND_NAME, max_batch, self.device_tree.max_nodes, self.device_tree.max_partial_rows,
             )
         if not vllm_config.cache_config.enable_prefix_caching:
             logger.warning(
@@ -209,6 +301,26 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         if num_decodes:
             tree = self.tree_cache.get(decode_block_table.cpu(), decode_seq_lens, self.block_size)
             self.stats.record(tree, decode_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
+        if self.device_tree is not None:
+            # CUDA kernels: every input on the device, the tree in the fixed
+            # buffers (copied only when it changed), the rest vLLM's own
+            # persistent device tensors, so a captured decode graph reads this
+            # step's values on replay.
+            if tree is not None:
+                tree = self.device_tree.load(tree, num_decodes)
+            qsl = cm.query_start_loc[num_decodes : num_reqs + 1]
+            return ChunkAttentionMetadata(
+                num_actual_tokens=cm.num_actual_tokens,
+                slot_mapping=cm.slot_mapping,
+                num_decodes=num_decodes,
+                num_decode_tokens=num_decode_tokens,
+                decode_block_table=decode_block_table,
+                decode_seq_lens=cm.seq_lens[:num_decodes],
+                tree=tree,
+                prefill_query_start_loc=(qsl - qsl[:1]).to(torch.int32),
+                prefill_seq_lens=cm.seq_lens[num_decodes:num_reqs],
+                prefill_block_table=block_table[num_decodes:],
+            )
         qsl = cm.query_start_loc_cpu[num_decodes : num_reqs + 1]
         return ChunkAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
@@ -300,14 +412,18 @@ class ChunkAttentionImpl(AttentionImpl):
         output = output.view(-1, self.num_heads, self.head_size)
         num_decode_tokens = md.num_decode_tokens
         if md.num_decodes:
+            # One row per decode request: in a CUDA-graph batch padded with
+            # requests of no tokens, num_decode_tokens may be smaller; their
+            # rows are padding the kernels fill with zeros.
+            num_decodes = md.num_decodes
             ops.tpp_decode(
-                query[:num_decode_tokens],
+                query[:num_decodes],
                 kv_cache,
                 md.decode_block_table,
                 md.decode_seq_lens,
                 md.tree,
                 self.scale,
-                output[:num_decode_tokens],
+                output[:num_decodes],
             )
         if md.prefill_seq_lens.numel():
             ops.paged_prefill(

@@ -1,22 +1,55 @@
 """Python entry points of the backend's kernels, one per kernel family.
 
-On CPU each op is the compiled kernel (csrc/cpu) when the extension
-provides it, else the PyTorch version in `torch_kernels`; on other devices
-the PyTorch version until the CUDA kernels exist. All are tested against
-`reference.py`.
+Each op runs the compiled kernel registered for the tensors' device in the
+`chunkattn` torch library (csrc/cpu on CPU, csrc/cuda on CUDA: one schema,
+dispatched by device), and falls back to the PyTorch version in
+`torch_kernels` where no compiled kernel fits (no extension built, or a dtype
+the kernels do not take, such as float32 attention on CUDA). All are tested
+against `reference.py`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-import vllm_chunkattn._C  # noqa: F401  (registers torch.ops.chunkattn.*)
-from vllm_chunkattn import torch_kernels
+import vllm_chunkattn._C  # noqa: F401  (registers torch.ops.chunkattn.* and their CPU kernels)
+from vllm_chunkattn import fake_ops, torch_kernels
 from vllm_chunkattn.tree import PrefixTreeContext
 
+fake_ops.register()  # schemas an older CPU build lacks, and fake kernels for torch.compile
 
-def _compiled(name: str):
-    return getattr(torch.ops.chunkattn, name) if hasattr(torch.ops.chunkattn, name) else None
+try:  # after _C: the CUDA library only adds kernels to the schemas defined there
+    import vllm_chunkattn._C_cuda  # noqa: F401
+
+    CUDA_KERNELS_ERROR: str | None = None
+except ImportError as e:  # CPU-only build, or a build for another torch
+    CUDA_KERNELS_ERROR = f"{type(e).__name__}: {e}"
+
+CUDA_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cuda_kernels_available() -> bool:
+    """Whether the compiled CUDA kernels (vllm_chunkattn._C_cuda) are loaded."""
+    return CUDA_KERNELS_ERROR is None
+
+
+def _compiled(name: str, device: torch.device):
+    """The compiled kernel of op `name` for `device`, or None."""
+    return _compiled_for(name, device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_for(name: str, device_type: str):
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(f"chunkattn::{name}", key):
+        return None
+    return getattr(torch.ops.chunkattn, name)
+
+
+def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
 
 
 # Fake (meta) kernels, so torch.compile can trace through the ops: they only
@@ -39,9 +72,10 @@ if _compiled("paged_prefill") is not None:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key, value [num_tokens, num_kv_heads, head_size] into their slots of kv_cache."""
-    if kv_cache.device.type != "cpu":  # no compiled GPU kernel yet (issue 5)
+    kernel = _compiled("write_kv_cache", kv_cache.device)
+    if kernel is None:
         return torch_kernels.write_kv_cache(key, value, kv_cache, slot_mapping)
-    torch.ops.chunkattn.write_kv_cache(key, value, kv_cache, slot_mapping)
+    kernel(key, value, kv_cache, slot_mapping)
 
 
 def tpp_decode(
@@ -53,16 +87,23 @@ def tpp_decode(
     scale: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Two-phase-partition decode: query/out [B, num_heads, head_size]."""
-    kernel = _compiled("tpp_decode")
-    if kernel is None or query.device.type != "cpu":
+    """Two-phase-partition decode: query/out [B, num_heads, head_size].
+
+    On CUDA the context arrays are read on the device (the backend keeps them
+    in fixed-capacity device buffers, vllm_chunkattn/device_context.py; other
+    callers' CPU arrays are copied over)."""
+    device = query.device
+    kernel = _compiled("tpp_decode", device)
+    if kernel is None or (device.type == "cuda" and query.dtype not in CUDA_ATTENTION_DTYPES):
         return torch_kernels.tpp_decode(query, kv_cache, block_table, seq_lens, ctx, scale, out)
-    kernel(
-        out, query, kv_cache, block_table, seq_lens,
+    arrays = [
         ctx.order, ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end,
         ctx.node_partial_offset, ctx.shared_chunks, ctx.row_partial_offsets, ctx.row_partials,
-        ctx.num_partial_rows, scale,
-    )
+    ]
+    if device.type == "cuda":
+        arrays = [_on(a, device) for a in arrays]
+        block_table, seq_lens = _on(block_table, device), _on(seq_lens, device)
+    kernel(out, query, kv_cache, block_table, seq_lens, *arrays, ctx.num_partial_rows, scale)
     return out
 
 
@@ -77,10 +118,14 @@ def paged_prefill(
 ) -> torch.Tensor:
     """Causal attention of many new tokens per request over the paged cache.
     query/out [T, num_heads, head_size]; query_start_loc [R + 1] (starting at 0)."""
-    kernel = _compiled("paged_prefill")
-    if kernel is None or query.device.type != "cpu":
+    device = query.device
+    kernel = _compiled("paged_prefill", device)
+    if kernel is None or (device.type == "cuda" and query.dtype not in CUDA_ATTENTION_DTYPES):
         return torch_kernels.paged_prefill(
             query, kv_cache, query_start_loc.tolist(), seq_lens.tolist(), block_table, scale, out
         )
+    if device.type == "cuda":
+        query_start_loc, seq_lens = _on(query_start_loc, device), _on(seq_lens, device)
+        block_table = _on(block_table, device)
     kernel(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale)
     return out

@@ -1,1 +1,1 @@
-"""Benchmarks of vllm-chunkattn against stock vLLM."""
+"""Benchmarks of vllm-chunkattn against stock vLLM: kernels (CPU and GPU) and serving."""

@@ -1,0 +1,262 @@
+// Torch wrappers of the CUDA kernels: check arguments (device, dtype, shape,
+// layout), allocate the workspace on the tensors' device (from torch's
+// caching allocator, so inside a CUDA-graph capture it comes from the graph's
+// pool; its size depends on shapes only), and launch on the current stream.
+#include "cuda/torch_ops.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/all.h>
+
+#include <exception>
+
+#include "cuda/launch.h"
+
+namespace chunkattn::cuda_ops {
+
+namespace {
+
+using chunkattn::cuda::DType;
+
+DType attention_dtype(const at::Tensor& t, const char* op) {
+  if (t.scalar_type() == at::kHalf) return DType::kHalf;
+  if (t.scalar_type() == at::kBFloat16) return DType::kBFloat16;
+  TORCH_CHECK(false, "chunkattn::", op, " on CUDA supports float16 and bfloat16, got ", t.scalar_type());
+}
+
+void check_index(const at::Tensor& t, const char* name, const at::Device& device, int64_t min_numel) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && (t.numel() <= 1 || t.stride(0) == 1), name, " must be a contiguous 1-D tensor");
+  TORCH_CHECK(t.numel() >= min_numel, name, " has ", t.numel(), " entries, needs at least ", min_numel);
+}
+
+void check_block_table(const at::Tensor& t, const at::Device& device, int64_t rows) {
+  TORCH_CHECK(t.device() == device, "block_table must be on ", device);
+  TORCH_CHECK(t.scalar_type() == at::kInt, "block_table must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && (t.size(1) <= 1 || t.stride(1) == 1),
+              "block_table must be [num_seqs, max_blocks] with contiguous rows");
+}
+
+bool is_aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// [rows, heads, head_size] with contiguous head_size and every (row, head)
+// vector starting at a multiple of `bytes`.
+bool vectors_aligned(const at::Tensor& t, int64_t bytes) {
+  const int64_t e = t.element_size();
+  return t.stride(2) == 1 && is_aligned(t.data_ptr(), bytes) && (t.stride(0) * e) % bytes == 0 &&
+         (t.stride(1) * e) % bytes == 0;
+}
+
+void check_cache(const at::Tensor& kv_cache, const at::Tensor& query, const char* op) {
+  TORCH_CHECK(kv_cache.device() == query.device(), "chunkattn::", op, ": kv_cache and query on different devices");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "chunkattn::", op,
+              ": kv_cache dtype must match the query dtype");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) == 2 * query.size(2),
+              "kv_cache must be [num_blocks, num_kv_heads, block_size, 2 * head_size]");
+  const int64_t block_size = kv_cache.size(2);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= 1024,
+              "chunkattn::", op, " on CUDA needs a power-of-two block size, got ", block_size);
+  TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
+              "kv_cache: each block and KV head must be a contiguous [block_size, 2 * head_size] tile");
+  TORCH_CHECK(is_aligned(kv_cache.data_ptr(), 16) && kv_cache.stride(0) % 8 == 0 && kv_cache.stride(1) % 8 == 0,
+              "kv_cache must be 16-byte aligned with block/head strides that are multiples of 8 elements");
+}
+
+void check_query(const at::Tensor& query, const at::Tensor& out, const at::Tensor& kv_cache, const char* op) {
+  TORCH_CHECK(query.is_cuda(), "chunkattn::", op, ": query must be a CUDA tensor");
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, num_heads, head_size]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
+                  out.device() == query.device(),
+              "chunkattn::", op, ": out must have the query's shape, dtype and device");
+  const int64_t head_size = query.size(2);
+  TORCH_CHECK(head_size == 64 || head_size == 128 || head_size == 256, "chunkattn::", op,
+              " on CUDA supports head sizes 64, 128, 256, got ", head_size);
+  check_cache(kv_cache, query, op);
+  const int64_t heads = query.size(1), kv_heads = kv_cache.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 64, "chunkattn::", op, ": ", heads,
+              " query heads over ", kv_heads, " KV heads (need a GQA group of 1..64)");
+}
+
+// Query rows must be 16-byte aligned (cp.async); outputs are written 8 bytes
+// at a time. Where a caller's tensor is not, work on a contiguous copy.
+at::Tensor aligned_query(const at::Tensor& query) {
+  return vectors_aligned(query, 16) ? query : query.contiguous();
+}
+
+template <typename Launch>
+void run(const char* op, Launch&& launch) {
+  try {
+    launch();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "chunkattn::", op, ": ", e.what());
+  }
+}
+
+}  // namespace
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.is_cuda(), "chunkattn::write_kv_cache: kv_cache must be a CUDA tensor");
+  TORCH_CHECK(key.device() == kv_cache.device() && value.device() == kv_cache.device() &&
+                  slot_mapping.device() == kv_cache.device(),
+              "chunkattn::write_kv_cache: all tensors must be on ", kv_cache.device());
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) == 2 * key.size(2),
+              "kv_cache must be [num_blocks, num_kv_heads, block_size, 2*head_size]");
+  TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
+              "kv_cache: each block and KV head must be a contiguous [block_size, 2 * head_size] tile");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value must be [tokens, heads, dim]");
+  TORCH_CHECK(key.size(1) == kv_cache.size(1), "key has ", key.size(1), " heads, kv_cache ", kv_cache.size(1));
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "key/value dtype must match the kv cache dtype");
+  TORCH_CHECK(kv_cache.element_size() == 2 || kv_cache.element_size() == 4,
+              "chunkattn::write_kv_cache on CUDA supports 16- and 32-bit dtypes");
+  TORCH_CHECK(slot_mapping.dim() == 1 && (slot_mapping.numel() <= 1 || slot_mapping.stride(0) == 1),
+              "slot_mapping must be a contiguous 1-D tensor");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
+              "slot_mapping must be int32 or int64");
+  TORCH_CHECK(slot_mapping.size(0) <= key.size(0), "more slots than tokens");
+  if (slot_mapping.numel() == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(kv_cache.device());
+  chunkattn::cuda::KvWriteArgs a{};
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.kv_cache = kv_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr();
+  a.slot_is_int64 = slot_mapping.scalar_type() == at::kLong;
+  a.num_tokens = static_cast<int>(slot_mapping.size(0));
+  a.num_kv_heads = static_cast<int>(kv_cache.size(1));
+  a.head_size = static_cast<int>(key.size(2));
+  a.block_size = static_cast<int>(kv_cache.size(2));
+  a.elem_bytes = static_cast<int>(kv_cache.element_size());
+  a.key_stride_token = key.stride(0);
+  a.key_stride_head = key.stride(1);
+  a.value_stride_token = value.stride(0);
+  a.value_stride_head = value.stride(1);
+  a.cache_stride_block = kv_cache.stride(0);
+  a.cache_stride_head = kv_cache.stride(1);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(kv_cache.device().index());
+  run("write_kv_cache", [&] { chunkattn::cuda::launch_write_kv_cache(a, stream); });
+}
+
+void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                const at::Tensor& seq_lens, const at::Tensor& order, const at::Tensor& node_begin,
+                const at::Tensor& node_end, const at::Tensor& node_chunk_begin, const at::Tensor& node_chunk_end,
+                const at::Tensor& node_partial_offset, const at::Tensor& shared_chunks,
+                const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, int64_t num_partial_rows,
+                double scale) {
+  check_query(query, out, kv_cache, "tpp_decode");
+  const DType dtype = attention_dtype(query, "tpp_decode");
+  const at::Device device = query.device();
+  const int64_t batch = query.size(0);
+  check_block_table(block_table, device, batch);
+  check_index(seq_lens, "seq_lens", device, batch);
+  check_index(order, "order", device, batch);
+  const int64_t nodes = node_begin.numel();
+  for (const auto* t : {&node_begin, &node_end, &node_chunk_begin, &node_chunk_end, &node_partial_offset}) {
+    check_index(*t, "node arrays", device, nodes);
+    TORCH_CHECK(t->numel() == nodes, "node arrays must have the same length");
+  }
+  check_index(shared_chunks, "shared_chunks", device, batch);
+  check_index(row_partial_offsets, "row_partial_offsets", device, batch + 1);
+  check_index(row_partials, "row_partials", device, 0);
+  TORCH_CHECK(num_partial_rows >= 0, "num_partial_rows must be >= 0");
+  if (batch == 0) return;
+
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  const at::Tensor q = aligned_query(query);
+  const bool out_ok = vectors_aligned(out, 8);
+  at::Tensor dst = out_ok ? out : at::empty(out.sizes(), out.options());
+
+  chunkattn::cuda::DecodeArgs a{};
+  a.dtype = dtype;
+  a.out = dst.data_ptr();
+  a.query = q.data_ptr();
+  a.kv_cache = kv_cache.data_ptr();
+  a.block_table = block_table.data_ptr<int>();
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.order = order.data_ptr<int>();
+  a.node_begin = node_begin.data_ptr<int>();
+  a.node_end = node_end.data_ptr<int>();
+  a.node_chunk_begin = node_chunk_begin.data_ptr<int>();
+  a.node_chunk_end = node_chunk_end.data_ptr<int>();
+  a.node_partial_offset = node_partial_offset.data_ptr<int>();
+  a.shared_chunks = shared_chunks.data_ptr<int>();
+  a.row_partial_offsets = row_partial_offsets.data_ptr<int>();
+  a.row_partials = row_partials.data_ptr<int>();
+  a.batch = static_cast<int>(batch);
+  a.num_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(kv_cache.size(1));
+  a.head_size = static_cast<int>(query.size(2));
+  a.block_size = static_cast<int>(kv_cache.size(2));
+  a.num_nodes = static_cast<int>(nodes);
+  a.num_partial_rows = static_cast<int>(num_partial_rows);
+  a.scale = static_cast<float>(scale);
+  a.out_stride_row = dst.stride(0);
+  a.out_stride_head = dst.stride(1);
+  a.query_stride_row = q.stride(0);
+  a.query_stride_head = q.stride(1);
+  a.cache_stride_block = kv_cache.stride(0);
+  a.cache_stride_head = kv_cache.stride(1);
+  a.block_table_stride = block_table.stride(0);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  run("tpp_decode", [&] {
+    const size_t bytes = chunkattn::cuda::tpp_decode_workspace_bytes(a);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
+    chunkattn::cuda::launch_tpp_decode(a, workspace.data_ptr(), stream);
+  });
+  if (!out_ok) out.copy_(dst);
+}
+
+void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                   double scale) {
+  check_query(query, out, kv_cache, "paged_prefill");
+  const DType dtype = attention_dtype(query, "paged_prefill");
+  const at::Device device = query.device();
+  const int64_t num_reqs = seq_lens.numel();
+  check_index(seq_lens, "seq_lens", device, num_reqs);
+  check_index(query_start_loc, "query_start_loc", device, num_reqs + 1);
+  check_block_table(block_table, device, num_reqs);
+  if (num_reqs == 0 || query.size(0) == 0) return;
+
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  const at::Tensor q = aligned_query(query);
+  const bool out_ok = vectors_aligned(out, 8);
+  at::Tensor dst = out_ok ? out : at::empty(out.sizes(), out.options());
+
+  chunkattn::cuda::PrefillArgs a{};
+  a.dtype = dtype;
+  a.out = dst.data_ptr();
+  a.query = q.data_ptr();
+  a.kv_cache = kv_cache.data_ptr();
+  a.query_start_loc = query_start_loc.data_ptr<int>();
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.block_table = block_table.data_ptr<int>();
+  a.num_tokens = static_cast<int>(query.size(0));
+  a.num_reqs = static_cast<int>(num_reqs);
+  a.num_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(kv_cache.size(1));
+  a.head_size = static_cast<int>(query.size(2));
+  a.block_size = static_cast<int>(kv_cache.size(2));
+  a.scale = static_cast<float>(scale);
+  a.out_stride_row = dst.stride(0);
+  a.out_stride_head = dst.stride(1);
+  a.query_stride_row = q.stride(0);
+  a.query_stride_head = q.stride(1);
+  a.cache_stride_block = kv_cache.stride(0);
+  a.cache_stride_head = kv_cache.stride(1);
+  a.block_table_stride = block_table.stride(0);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  run("paged_prefill", [&] {
+    const size_t bytes = chunkattn::cuda::paged_prefill_workspace_bytes(a);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
+    chunkattn::cuda::launch_paged_prefill(a, workspace.data_ptr(), stream);
+  });
+  if (!out_ok) out.copy_(dst);
+}
+
+}  // namespace chunkattn::cuda_ops

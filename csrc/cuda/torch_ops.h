@@ -1,0 +1,26 @@
+// Torch-facing CUDA ops of the `chunkattn` library (torch_ops.cpp): argument
+// checks, workspace allocation and the current stream around the launchers of
+// launch.h. Signatures follow the schemas of csrc/cpu/registration.cpp.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+
+namespace chunkattn::cuda_ops {
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping);
+
+void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                const at::Tensor& seq_lens, const at::Tensor& order, const at::Tensor& node_begin,
+                const at::Tensor& node_end, const at::Tensor& node_chunk_begin, const at::Tensor& node_chunk_end,
+                const at::Tensor& node_partial_offset, const at::Tensor& shared_chunks,
+                const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, int64_t num_partial_rows,
+                double scale);
+
+void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                   double scale);
+
+}  // namespace chunkattn::cuda_ops
