@@ -77,6 +77,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
                 " new tokens but seq_len ", lens[i]);
     TORCH_CHECK((lens[i] + block_size - 1) / block_size <= block_table.size(1), "chunkattn: request ", i,
                 " needs more blocks than the block table has");
+    if (num_new == 0) continue;
     const int64_t ctx = lens[i] - num_new;
     double total = 0;
     for (int64_t t0 = 0; t0 < num_new; t0 += tile_tokens) {
