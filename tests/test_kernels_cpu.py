@@ -298,6 +298,23 @@ def test_torch_paged_prefill_matches_reference(case):
     assert_close(out, _prefill_reference(case), case["dtype"], "torch_kernels.paged_prefill")
 
 
+def test_paged_prefill_request_without_new_tokens():
+    """A request with no new token (num_new = 0) between two that have some: nothing to do for it."""
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(6, 2, 16, 128, generator=gen)
+    table = torch.arange(6, dtype=torch.int32).view(3, 2)
+    lens = torch.tensor([20, 17, 32], dtype=torch.int32)
+    qsl = torch.tensor([0, 5, 5, 7], dtype=torch.int32)
+    query = torch.randn(7, 4, 64, generator=gen)
+    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl, scale=0.125)
+    ref = _prefill_reference(case)
+    for isa in ISAS:
+        with _isa(isa):
+            out = torch.empty_like(query)
+            ops.paged_prefill(query, kv, qsl, lens, table, 0.125, out)
+        assert_close(out, ref, torch.float32, f"paged_prefill[{isa}]")
+
+
 def test_paged_prefill_int64_metadata_and_long_prompt():
     """vLLM-style int64 metadata; a prompt longer than one query tile and one key tile."""
     gen = torch.Generator().manual_seed(1)

@@ -16,7 +16,9 @@
 // attention style, against the request's chunks up to the tile's last
 // position (attend_lanes: matrix-matrix register tiles, online softmax, the
 // causal mask only on chunks that cross the diagonal). Items are handed out on
-// torch's intra-op pool costliest (longest context) first.
+// torch's intra-op pool, costliest (longest context) requests first, the tiles
+// of one (request, kv head) one after the other so its context is read from
+// DRAM about once.
 #include <ATen/Dispatch.h>
 
 #include "chunkattn.h"
@@ -32,9 +34,9 @@ using cpu::KernelTable;
 using cpu::KvView;
 
 // Query rows (tokens x G) per item: enough rows that each K/V element loaded
-// serves several lane vectors, few enough that short prompts still spread
-// over the threads.
-constexpr int64_t kTileRows = 64;
+// serves several lane vectors and the context is re-read few times, few
+// enough that short prompts still spread over the threads.
+constexpr int64_t kTileRows = 128;
 
 std::vector<int64_t> to_int64(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
@@ -65,22 +67,33 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
   struct Item {
     int32_t req, head;
     int64_t t0, t1;  // new tokens [t0, t1) of the request
-    double cost;
+    double cost;  // of the item's (request, head) group
   };
   std::vector<Item> items;
+  std::vector<double> group_cost;  // per (request, kv head): all its tiles
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t num_new = qsl[i + 1] - qsl[i];
     TORCH_CHECK(num_new >= 0 && num_new <= lens[i], "chunkattn: request ", i, " has ", num_new,
                 " new tokens but seq_len ", lens[i]);
     TORCH_CHECK((lens[i] + block_size - 1) / block_size <= block_table.size(1), "chunkattn: request ", i,
                 " needs more blocks than the block table has");
+    if (num_new == 0) continue;
     const int64_t ctx = lens[i] - num_new;
+    double total = 0;
     for (int64_t t0 = 0; t0 < num_new; t0 += tile_tokens) {
       const int64_t t1 = std::min(num_new, t0 + tile_tokens);
-      const double cost = static_cast<double>((t1 - t0) * group) * (ctx + t1);
-      for (int32_t h = 0; h < num_kv_heads; ++h) items.push_back({static_cast<int32_t>(i), h, t0, t1, cost});
+      total += static_cast<double>((t1 - t0) * group) * (ctx + t1);
     }
+    // Last tiles first (they see the most keys); the tiles of one (request,
+    // head) stay adjacent, so the threads taking them read that context while
+    // it is still in the caches.
+    for (int32_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t t0 = (num_new - 1) / tile_tokens * tile_tokens; t0 >= 0; t0 -= tile_tokens) {
+        const int64_t t1 = std::min(num_new, t0 + tile_tokens);
+        items.push_back({static_cast<int32_t>(i), h, t0, t1, total});
+      }
   }
+  // Costliest (request, head) groups first, keeping each group's tiles together.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   cpu::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t idx) {
