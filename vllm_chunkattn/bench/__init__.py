@@ -1,0 +1,1 @@
+"""Benchmarks of vllm-chunkattn against stock vLLM."""
