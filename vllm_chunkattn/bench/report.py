@@ -38,6 +38,13 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+CLIENT_FIELDS = (
+    "num_prompts", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
+    "total_output_tokens", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms",
+    "mean_normalised_latency_ms", "p90_normalised_latency_ms",
+)
+
+
 def summarise_raw(raw: dict) -> dict:
     """The client-side numbers of one `vllm bench serve` JSON (saved with --save-detailed)."""
     norm = normalised_latencies_ms(raw)
@@ -112,8 +119,9 @@ def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
             if server in pair:
                 r = pair[server]
                 cells = [_fmt(r[k], d) for _, k, d in THROUGHPUT_COLUMNS]
+                done = f"{r['completed']}/{r['num_prompts']}" + (" (timed out)" if r.get("timed_out") else "")
                 lines.append(f"| {w['name']} | {server} | " + " | ".join(cells)
-                             + f" | {_kv(r)} | {r['peak_batch']} | {r['completed']}/{r['num_prompts']} |")
+                             + f" | {_kv(r)} | {r['peak_batch']} | {done} |")
         if len(pair) == 2:
             cells = [_fmt(_ratio(pair["chunk"][k], pair["stock"][k]), 2) for _, k, _ in THROUGHPUT_COLUMNS]
             kv = _ratio(pair["chunk"]["peak_kv_cache_usage"], pair["stock"]["peak_kv_cache_usage"])
@@ -225,6 +233,7 @@ def plot_normalised_latency(results: dict, path: Path) -> None:
             pts = sorted(
                 ((r["x"] if sweep else r["request_throughput"]), r["mean_normalised_latency_ms"])
                 for r in records if r["workload"] == name and r["server"] == server and r["mode"] == mode
+                and not r.get("timed_out")
             )
             if pts:
                 ax.plot(*zip(*pts), label=server, **STYLE[server])
@@ -234,7 +243,8 @@ def plot_normalised_latency(results: dict, path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -247,7 +257,7 @@ def plot_throughput(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(names) + 1.5), 3.8))
     width = 0.38
     for i, name in enumerate(names):
-        pair = {r["server"]: r for r in runs if r["workload"] == name}
+        pair = {r["server"]: r for r in runs if r["workload"] == name and not r.get("timed_out")}
         for j, server in enumerate(SERVERS):
             if server in pair:
                 ax.bar(i + (j - 0.5) * width, pair[server]["output_throughput"], width,
@@ -267,8 +277,20 @@ def plot_throughput(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _json_safe(x):
+    """NaN (a number nobody measured) as null: strict JSON readers reject NaN."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
 def write_report(out_dir: Path, results: dict) -> str:
     out_dir = Path(out_dir)
+    results = _json_safe(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     (out_dir / "table.md").write_text(table)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from vllm_chunkattn.bench import greedy_check
 from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
-from vllm_chunkattn.bench.report import summarise_raw, write_report
+from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
 from vllm_chunkattn.bench.workloads import Workload, workloads
 from vllm_chunkattn.server import VllmServer
 
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--greedy-tokens", type=int, help="tokens per greedy-check request (default 32; --quick 16)")
     ap.add_argument("--extra-server-args", default="", help="more `vllm serve` options, given to both servers")
     ap.add_argument("--progress-interval", type=float, default=15.0, help="seconds between progress lines")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="seconds after which one `vllm bench serve` run is stopped and recorded as timed out "
+                    "(the benchmark goes on with the next run)")
     args = ap.parse_args(argv)
     args.num_prompts = args.num_prompts or (24 if args.quick else 96)
     args.kv_cache_space = args.kv_cache_space or (1.0 if args.quick else 4.0)
@@ -204,10 +208,14 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
     with MetricsPoller(server.url) as poller, open(log_path, "a") as log:
         # Its own process group, so that stopping it also stops anything it started.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
         try:
             last = time.monotonic()
             while proc.poll() is None:
                 time.sleep(0.5)
+                if time.monotonic() - started > args.run_timeout:
+                    timed_out = True
+                    break
                 if time.monotonic() - last >= args.progress_interval:
                     last = time.monotonic()
                     now = poller.latest()
@@ -217,18 +225,26 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
         finally:
             stop_process_group(proc)
     wall_s = time.monotonic() - started
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not timed_out:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
-    raw_path = raw_dir / f"{server_name}-{run.name}.json"
-    raw = json.loads(raw_path.read_text())
     metrics = poller.summary()
     (out / "metrics").mkdir(exist_ok=True)
     (out / "metrics" / f"{server_name}-{run.name}.json").write_text(json.dumps(asdict(metrics)) + "\n")
+    raw_path = raw_dir / f"{server_name}-{run.name}.json"
+    if timed_out:
+        # The client saves nothing when stopped; what the server finished is all there is.
+        client = {**dict.fromkeys(CLIENT_FIELDS, math.nan), "num_prompts": run.num_prompts,
+                  "completed": metrics.finished, "failed": run.num_prompts - metrics.finished}
+        progress(f"    TIMED OUT after {args.run_timeout:.0f} s ({metrics.finished}/{run.num_prompts} finished); "
+                 "going on with the next run")
+    else:
+        client = summarise_raw(json.loads(raw_path.read_text()))
     record = {
         "server": server_name, "workload": run.workload.name, "mode": run.mode, "x": run.x,
-        "raw": str(raw_path.relative_to(out)),
-        **summarise_raw(raw),
+        "raw": None if timed_out else str(raw_path.relative_to(out)),
+        "timed_out": timed_out,
+        **client,
         "peak_kv_cache_usage": metrics.peak_kv_cache_usage,
         "peak_kv_cache_gib": metrics.peak_kv_cache_gib,
         "peak_batch": metrics.peak_running,
@@ -241,11 +257,12 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
         "load_avg_before": load_before[0],
         "load_avg_after": os.getloadavg()[0],
     }
-    progress(f"    {record['completed']}/{record['num_prompts']} completed in {record['duration_s']:.0f} s: "
-             f"{record['request_throughput']:.2f} req/s, {record['output_throughput']:.1f} output tok/s, "
-             f"normalised latency {record['mean_normalised_latency_ms']:.1f} ms/tok, "
-             f"peak batch {record['peak_batch']}, peak KV {100 * record['peak_kv_cache_usage']:.1f}%")
-    if record["completed"] != record["num_prompts"]:
+    if not timed_out:
+        progress(f"    {record['completed']}/{record['num_prompts']} completed in {record['duration_s']:.0f} s: "
+                 f"{record['request_throughput']:.2f} req/s, {record['output_throughput']:.1f} output tok/s, "
+                 f"normalised latency {record['mean_normalised_latency_ms']:.1f} ms/tok, "
+                 f"peak batch {record['peak_batch']}, peak KV {100 * record['peak_kv_cache_usage']:.1f}%")
+    if record["completed"] != record["num_prompts"] and not timed_out:
         progress(f"    WARNING: {record['num_prompts'] - record['completed']} requests failed; see {raw_path}")
     return record
 
@@ -338,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"`vllm serve` arguments for both servers: `{shlex.join(common)}`."),
         "args": vars(args), "engine_args": common, "environment": environment_info(model),
         "workloads": [{**asdict(w), "tree": asdict(w.tree) if w.tree else None} for w in chosen.values()],
-        "runs": [], "timings_s": {}, "greedy": {},
+        "servers": {}, "runs": [], "timings_s": {}, "greedy": {},
     }
     (out / "config.json").write_text(json.dumps({k: results[k] for k in ("command", "args", "engine_args", "environment")},
                                                 indent=2, default=str) + "\n")
@@ -353,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             server = VllmServer(model, SERVERS[server_name] + common, log_path=out / "logs" / f"{server_name}.server.log",
                                 env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_space:g}", "VLLM_SERVER_DEV_MODE": "1"})
+            results["servers"][server_name] = {"url": server.url, "log": str(server.log_path.relative_to(out))}
             try:
                 server.start()
                 results["timings_s"][f"{server_name}/start"] = time.monotonic() - started
@@ -373,19 +391,19 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
             progress(f"{server_name}: stopped")
-        if all(s in results["greedy"] for s in SERVERS):
-            check = greedy_check.compare(results["greedy"]["stock"], results["greedy"]["chunk"])
-            check["summary"] = greedy_check.describe(check)
-            results["greedy_check"] = check
-            progress(f"greedy check: {check['summary']}")
-            if args.quick and not check["all_identical"]:
-                status = 1
     except KeyboardInterrupt as exc:
         progress(f"interrupted ({exc or 'Ctrl-C'}); servers stopped")
         status = 130
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if all(s in results["greedy"] for s in SERVERS):
+            check = greedy_check.compare(results["greedy"]["stock"], results["greedy"]["chunk"])
+            check["summary"] = greedy_check.describe(check)
+            results["greedy_check"] = check
+            progress(f"greedy check: {check['summary']}")
+            if args.quick and not check["all_identical"] and status == 0:
+                status = 1
         if results["runs"] or results["greedy"]:
             table = write_report(out, results)
             print("\n" + table, flush=True)
