@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 NEAR_TIE = 1e-3  # float32: logprobs of the two backends agree far closer than this
 
@@ -71,3 +72,20 @@ def describe(result: dict) -> str:
                  f"{d['top2_gap_stock']:.2g} / {d['top2_gap_chunk']:.2g}"
                  f"{', a near tie' if d['near_tie'] else ', NOT a near tie'})")
     return line
+
+
+def compare_benchmark_texts(out_dir: Path, runs: list[dict]) -> dict[str, list[int]]:
+    """The benchmark runs are greedy too (--temperature 0) and saved with their
+    texts, in request order: per run present for both servers, [identical, compared].
+    Informational: in big batches a near tie may legitimately go either way."""
+    raw = {(r["server"], r["workload"], r["mode"], r["x"]): r["raw"] for r in runs if r.get("raw")}
+    result = {}
+    for (server, workload, mode, x), path in sorted(raw.items(), key=str):
+        other = raw.get(("chunk", workload, mode, x))
+        if server != "stock" or other is None:
+            continue
+        a = json.loads((Path(out_dir) / path).read_text()).get("generated_texts") or []
+        b = json.loads((Path(out_dir) / other).read_text()).get("generated_texts") or []
+        name = f"{workload}-" + (f"c{x:g}" if mode == "concurrency" else f"r{x:g}")
+        result[name] = [sum(x == y for x, y in zip(a, b)), min(len(a), len(b))]
+    return result

@@ -194,6 +194,9 @@ def markdown(results: dict) -> str:
     lines.append("")
     if results.get("greedy_check"):
         lines += [f"Greedy check: {results['greedy_check']['summary']}", ""]
+    if results.get("benchmark_texts_identical"):
+        lines += ["Identical greedy texts, chunk vs stock, in the benchmark runs: " + ", ".join(
+            f"{name} {same}/{n}" for name, (same, n) in results["benchmark_texts_identical"].items()), ""]
     lines += throughput_table(records, workloads)
     lines += sweep_table(records, workloads)
     lines += targets_table(records, workloads)

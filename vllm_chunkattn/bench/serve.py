@@ -60,11 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-concurrency", type=int, default=32,
                     help="client concurrency of the throughput runs; also the servers' --max-num-seqs")
     ap.add_argument("--num-prompts", type=int, help="requests per throughput run "
-                    "(default 96; --quick 24); rounded up to what the dataset needs")
-    ap.add_argument("--request-rates", default="0.5,1,1.5",
+                    "(default 64: two rounds of --max-concurrency 32; --quick 24); rounded up to what the dataset needs")
+    ap.add_argument("--request-rates", default="0.25,0.5,1",
                     help="Poisson request rates (req/s) of the sweep; '' for none (--quick: none)")
     ap.add_argument("--sweep-workloads", help="workloads swept over request rates (default: all chosen)")
-    ap.add_argument("--sweep-duration", type=float, default=40.0,
+    ap.add_argument("--sweep-duration", type=float, default=30.0,
                     help="seconds of arrivals per sweep run: num_prompts = rate * this, at least 8")
     ap.add_argument("--kv-cache-space", type=float, help="GiB of KV cache per server, "
                     "VLLM_CPU_KVCACHE_SPACE (default 4; --quick 1)")
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds after which one `vllm bench serve` run is stopped and recorded as timed out "
                     "(the benchmark goes on with the next run)")
     args = ap.parse_args(argv)
-    args.num_prompts = args.num_prompts or (24 if args.quick else 96)
+    args.num_prompts = args.num_prompts or (24 if args.quick else 64)
     args.kv_cache_space = args.kv_cache_space or (1.0 if args.quick else 4.0)
     args.greedy_tokens = args.greedy_tokens or (16 if args.quick else 32)
     args.rates = [] if args.quick else [float(r) for r in args.request_rates.split(",") if r.strip()]
@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"greedy check: {check['summary']}")
             if args.quick and not check["all_identical"] and status == 0:
                 status = 1
+        results["benchmark_texts_identical"] = greedy_check.compare_benchmark_texts(out, results["runs"])
         if results["runs"] or results["greedy"]:
             table = write_report(out, results)
             print("\n" + table, flush=True)
