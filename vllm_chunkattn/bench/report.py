@@ -122,7 +122,7 @@ def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
                 done = f"{r['completed']}/{r['num_prompts']}" + (" (timed out)" if r.get("timed_out") else "")
                 lines.append(f"| {w['name']} | {server} | " + " | ".join(cells)
                              + f" | {_kv(r)} | {r['peak_batch']} | {done} |")
-        if len(pair) == 2:
+        if len(pair) == 2 and not any(r.get("timed_out") for r in pair.values()):
             cells = [_fmt(_ratio(pair["chunk"][k], pair["stock"][k]), 2) for _, k, _ in THROUGHPUT_COLUMNS]
             kv = _ratio(pair["chunk"]["peak_kv_cache_usage"], pair["stock"]["peak_kv_cache_usage"])
             batch = _ratio(pair["chunk"]["peak_batch"], pair["stock"]["peak_batch"])
@@ -227,9 +227,11 @@ def plot_normalised_latency(results: dict, path: Path) -> None:
     """The paper's Figure 5: normalised latency against request rate, one panel per workload.
     Without a sweep (--quick) each max-concurrency run is drawn at its achieved request rate."""
     plt = _pyplot()
-    records, names = results["runs"], [w["name"] for w in results["workloads"]]
+    records = results["runs"]
     sweep = any(r["mode"] == "rate" for r in records)
     mode = "rate" if sweep else "concurrency"
+    names = [w["name"] for w in results["workloads"] if any(r["workload"] == w["name"] and r["mode"] == mode
+                                                             for r in records)]
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         for server in SERVERS:
@@ -261,6 +263,9 @@ def plot_throughput(results: dict, path: Path) -> None:
     width = 0.38
     for i, name in enumerate(names):
         pair = {r["server"]: r for r in runs if r["workload"] == name and not r.get("timed_out")}
+        for j, server in enumerate(SERVERS):
+            if any(r["workload"] == name and r["server"] == server and r.get("timed_out") for r in runs):
+                ax.text(i + (j - 0.5) * width, 0, "timed\nout", ha="center", va="bottom", fontsize=8)
         for j, server in enumerate(SERVERS):
             if server in pair:
                 ax.bar(i + (j - 0.5) * width, pair[server]["output_throughput"], width,
