@@ -64,6 +64,16 @@ class VllmServer:
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
         log.close()
+        # A failed start, or Ctrl-C while waiting (then `with` never reaches
+        # __exit__), must not leave engine processes behind.
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -72,9 +82,8 @@ class VllmServer:
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             if self.healthy():
-                return self
+                return
             time.sleep(1.0)
-        self.stop()
         raise ServerError(f"vllm serve was not healthy after {self.startup_timeout_s:.0f} s; see {self.log_path}")
 
     def healthy(self) -> bool:
@@ -85,15 +94,20 @@ class VllmServer:
             return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGINT)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait()
+        # start_new_session: the group id is the leader's pid, valid even after
+        # the leader exited (e.g. died during startup) while children live on.
+        pgid = self.process.pid
+        if self.process.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGINT)
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
         # Engine-core and worker children can outlive the API server briefly.
         try:
             os.killpg(pgid, signal.SIGKILL)

@@ -1,0 +1,320 @@
+"""Summaries, the markdown table and the plots of a serving-benchmark results folder.
+
+`vllm_chunkattn.bench.serve` calls `write_report` at the end of a run; it can
+also be rerun on a finished folder (e.g. after editing the table layout):
+
+    python -m vllm_chunkattn.bench.report results/serve/<timestamp>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+SERVERS = ("stock", "chunk")
+
+
+def normalised_latencies_ms(raw: dict) -> list[float]:
+    """Per request: end-to-end latency / output tokens, in ms per token, as
+    the paper (after vLLM) defines normalised latency. `latencies` run from
+    sending the request to its last token, so they include the time it
+    waited in the server's queue (not in the client's --max-concurrency queue)."""
+    out = []
+    for latency, n_out, error in zip(raw["latencies"], raw["output_lens"], raw.get("errors") or [""] * len(raw["latencies"])):
+        if not error and n_out:
+            out.append(1000.0 * latency / n_out)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics, as numpy's default."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+CLIENT_FIELDS = (
+    "num_prompts", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
+    "total_output_tokens", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms",
+    "mean_normalised_latency_ms", "p90_normalised_latency_ms",
+)
+
+
+def summarise_raw(raw: dict) -> dict:
+    """The client-side numbers of one `vllm bench serve` JSON (saved with --save-detailed)."""
+    norm = normalised_latencies_ms(raw)
+    return {
+        "num_prompts": raw["num_prompts"],
+        "completed": raw["completed"],
+        "failed": raw.get("failed", 0),
+        "duration_s": raw["duration"],
+        "request_throughput": raw["request_throughput"],
+        "output_throughput": raw["output_throughput"],
+        "total_output_tokens": raw["total_output_tokens"],
+        "mean_ttft_ms": raw["mean_ttft_ms"],
+        "p90_ttft_ms": raw.get("p90_ttft_ms", math.nan),
+        "mean_tpot_ms": raw["mean_tpot_ms"],
+        "p90_tpot_ms": raw.get("p90_tpot_ms", math.nan),
+        "mean_normalised_latency_ms": sum(norm) / len(norm) if norm else math.nan,
+        "p90_normalised_latency_ms": percentile(norm, 90),
+    }
+
+
+# ---------------------------------------------------------------- the table
+
+def _fmt(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def _ratio(chunk, stock) -> float | None:
+    if chunk is None or stock is None or not stock or math.isnan(chunk) or math.isnan(stock):
+        return None
+    return chunk / stock
+
+
+def _kv(rec: dict) -> str:
+    gib = rec.get("peak_kv_cache_gib")
+    pct = 100.0 * rec["peak_kv_cache_usage"]
+    return f"{pct:.1f}% ({gib:.3g} GiB)" if gib is not None else f"{pct:.1f}%"
+
+
+def _pair(records: list[dict], workload: str, mode: str, x) -> dict[str, dict]:
+    return {r["server"]: r for r in records if r["workload"] == workload and r["mode"] == mode and r["x"] == x}
+
+
+THROUGHPUT_COLUMNS = [
+    # header, record key, digits
+    ("req/s", "request_throughput", 2),
+    ("output tok/s", "output_throughput", 1),
+    ("TTFT mean ms", "mean_ttft_ms", 0),
+    ("TTFT p90 ms", "p90_ttft_ms", 0),
+    ("TPOT mean ms", "mean_tpot_ms", 1),
+    ("norm. latency mean ms/tok", "mean_normalised_latency_ms", 1),
+    ("norm. latency p90 ms/tok", "p90_normalised_latency_ms", 1),
+]
+
+
+def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
+    runs = [r for r in records if r["mode"] == "concurrency"]
+    if not runs:
+        return []
+    c = runs[0]["x"]
+    lines = [
+        f"### Throughput at max concurrency {c}",
+        "",
+        "| workload | server | " + " | ".join(h for h, _, _ in THROUGHPUT_COLUMNS)
+        + " | peak KV cache | peak batch | completed |",
+        "|---|---|" + "---:|" * (len(THROUGHPUT_COLUMNS) + 3),
+    ]
+    for w in workloads:
+        pair = _pair(runs, w["name"], "concurrency", c)
+        for server in SERVERS:
+            if server in pair:
+                r = pair[server]
+                cells = [_fmt(r[k], d) for _, k, d in THROUGHPUT_COLUMNS]
+                done = f"{r['completed']}/{r['num_prompts']}" + (" (timed out)" if r.get("timed_out") else "")
+                lines.append(f"| {w['name']} | {server} | " + " | ".join(cells)
+                             + f" | {_kv(r)} | {r['peak_batch']} | {done} |")
+        if len(pair) == 2 and not any(r.get("timed_out") for r in pair.values()):
+            cells = [_fmt(_ratio(pair["chunk"][k], pair["stock"][k]), 2) for _, k, _ in THROUGHPUT_COLUMNS]
+            kv = _ratio(pair["chunk"]["peak_kv_cache_usage"], pair["stock"]["peak_kv_cache_usage"])
+            batch = _ratio(pair["chunk"]["peak_batch"], pair["stock"]["peak_batch"])
+            lines.append(f"| {w['name']} | **chunk/stock** | " + " | ".join(f"**{x}**" for x in cells)
+                         + f" | {_fmt(kv, 2)} | {_fmt(batch, 2)} | |")
+    return lines + [""]
+
+
+def sweep_table(records: list[dict], workloads: list[dict]) -> list[str]:
+    runs = [r for r in records if r["mode"] == "rate"]
+    if not runs:
+        return []
+    lines = [
+        "### Request-rate sweep (Poisson arrivals; the paper's Figure 5 and Table 4)",
+        "",
+        "| workload | req/s offered | norm. latency mean ms/tok stock | chunk | chunk/stock "
+        "| p90 stock | p90 chunk | peak KV cache stock | chunk | peak batch stock | chunk |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in workloads:
+        for x in sorted({r["x"] for r in runs if r["workload"] == w["name"]}):
+            p = _pair(runs, w["name"], "rate", x)
+            s, ch = p.get("stock"), p.get("chunk")
+
+            def get(rec, key, digits=1):
+                return _fmt(rec[key], digits) if rec else "–"
+
+            ratio = _ratio(ch["mean_normalised_latency_ms"], s["mean_normalised_latency_ms"]) if s and ch else None
+            lines.append(
+                f"| {w['name']} | {x:g} | {get(s, 'mean_normalised_latency_ms')} | {get(ch, 'mean_normalised_latency_ms')}"
+                f" | **{_fmt(ratio, 2)}** | {get(s, 'p90_normalised_latency_ms')} | {get(ch, 'p90_normalised_latency_ms')}"
+                f" | {_kv(s) if s else '–'} | {_kv(ch) if ch else '–'}"
+                f" | {s['peak_batch'] if s else '–'} | {ch['peak_batch'] if ch else '–'} |"
+            )
+    return lines + [""]
+
+
+def targets_table(records: list[dict], workloads: list[dict]) -> list[str]:
+    rows = []
+    for w in workloads:
+        pair = _pair([r for r in records if r["mode"] == "concurrency"], w["name"], "concurrency",
+                     next((r["x"] for r in records if r["mode"] == "concurrency"), None))
+        if len(pair) != 2:
+            continue
+        if w.get("min_throughput_ratio") is not None:
+            got = _ratio(pair["chunk"]["output_throughput"], pair["stock"]["output_throughput"])
+            ok = got is not None and got >= w["min_throughput_ratio"]
+            rows.append(f"| {w['name']} | output throughput chunk/stock ≥ {w['min_throughput_ratio']} "
+                        f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
+        if w.get("max_p90_latency_ratio") is not None:
+            got = _ratio(pair["chunk"]["p90_normalised_latency_ms"], pair["stock"]["p90_normalised_latency_ms"])
+            ok = got is not None and got <= w["max_p90_latency_ratio"]
+            rows.append(f"| {w['name']} | p90 normalised latency chunk/stock ≤ {w['max_p90_latency_ratio']} "
+                        f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
+    if not rows:
+        return []
+    return ["### Targets", "", "| workload | target | measured | |", "|---|---|---:|---|", *rows, ""]
+
+
+def markdown(results: dict) -> str:
+    records, workloads = results["runs"], results["workloads"]
+    lines = ["## Serving benchmark: chunk vs stock vLLM", ""]
+    if results.get("command"):
+        lines += ["```", results["command"], "```", ""]
+    if results.get("setup"):
+        lines += [results["setup"], ""]
+    lines += ["| workload | prompt | shared | output |", "|---|---|---:|---:|"]
+    lines += [f"| {w['name']} | {w['description']} | {w['shared_tokens']} | {w['output_tokens']} |" for w in workloads]
+    lines.append("")
+    if results.get("greedy_check"):
+        lines += [f"Greedy check: {results['greedy_check']['summary']}", ""]
+    if results.get("benchmark_texts_identical"):
+        lines += ["Identical greedy texts, chunk vs stock, in the benchmark runs: " + ", ".join(
+            f"{name} {same}/{n}" for name, (same, n) in results["benchmark_texts_identical"].items()), ""]
+    lines += throughput_table(records, workloads)
+    lines += sweep_table(records, workloads)
+    lines += targets_table(records, workloads)
+    lines += [
+        "Ratios are chunk/stock: above 1 is better for throughput, below 1 is better for latencies.",
+        "Normalised latency: per request, end-to-end latency (incl. server queueing) / output tokens; mean and p90 over requests.",
+        "Peak KV cache: highest `vllm:kv_cache_usage_perc` seen (every 0.5 s); peak batch: highest `vllm:num_requests_running`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the plots
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+STYLE = {"stock": dict(color="tab:blue", marker="o"), "chunk": dict(color="tab:red", marker="s")}
+
+
+def plot_normalised_latency(results: dict, path: Path) -> None:
+    """The paper's Figure 5: normalised latency against request rate, one panel per workload.
+    Without a sweep (--quick) each max-concurrency run is drawn at its achieved request rate."""
+    plt = _pyplot()
+    records = results["runs"]
+    sweep = any(r["mode"] == "rate" for r in records)
+    mode = "rate" if sweep else "concurrency"
+    names = [w["name"] for w in results["workloads"] if any(r["workload"] == w["name"] and r["mode"] == mode
+                                                             for r in records)]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for server in SERVERS:
+            pts = sorted(
+                ((r["x"] if sweep else r["request_throughput"]), r["mean_normalised_latency_ms"])
+                for r in records if r["workload"] == name and r["server"] == server and r["mode"] == mode
+                and not r.get("timed_out")
+            )
+            if pts:
+                ax.plot(*zip(*pts), label=server, **STYLE[server])
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("request rate (req/s)" if sweep else "achieved req/s (max-concurrency runs)")
+        ax.set_ylabel("normalised latency (ms/token)")
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    runs = [r for r in results["runs"] if r["mode"] == "concurrency"]
+    names = [w["name"] for w in results["workloads"]]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(names) + 1.5), 3.8))
+    width = 0.38
+    for i, name in enumerate(names):
+        pair = {r["server"]: r for r in runs if r["workload"] == name and not r.get("timed_out")}
+        for j, server in enumerate(SERVERS):
+            if any(r["workload"] == name and r["server"] == server and r.get("timed_out") for r in runs):
+                ax.text(i + (j - 0.5) * width, 0, "timed\nout", ha="center", va="bottom", fontsize=8)
+        for j, server in enumerate(SERVERS):
+            if server in pair:
+                ax.bar(i + (j - 0.5) * width, pair[server]["output_throughput"], width,
+                       color=STYLE[server]["color"], label=server if i == 0 else None)
+        if len(pair) == 2 and pair["stock"]["output_throughput"]:
+            ratio = pair["chunk"]["output_throughput"] / pair["stock"]["output_throughput"]
+            top = max(p["output_throughput"] for p in pair.values())
+            ax.text(i, top * 1.02, f"{ratio:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=10)
+    ax.set_ylabel("output tokens/s")
+    c = runs[0]["x"] if runs else "?"
+    ax.set_title(f"Output throughput at max concurrency {c} (chunk/stock above the bars)", fontsize=10)
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_safe(x):
+    """NaN (a number nobody measured) as null: strict JSON readers reject NaN."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_report(out_dir: Path, results: dict) -> str:
+    out_dir = Path(out_dir)
+    results = _json_safe(results)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(results)
+    (out_dir / "table.md").write_text(table)
+    if results["runs"]:
+        plot_normalised_latency(results, out_dir / "fig5_normalised_latency.png")
+        plot_throughput(results, out_dir / "throughput.png")
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.report", description=__doc__.splitlines()[0])
+    ap.add_argument("results_dir")
+    args = ap.parse_args(argv)
+    out = Path(args.results_dir)
+    print(write_report(out, json.loads((out / "results.json").read_text())))
+
+
+if __name__ == "__main__":
+    main()

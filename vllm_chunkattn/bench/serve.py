@@ -1,0 +1,416 @@
+"""Serving benchmark: stock vLLM against `--attention-backend chunk`, driven by
+vLLM's own `vllm bench serve`, as the ChunkAttention paper's section 4.2 does.
+
+    python -m vllm_chunkattn.bench.serve                # full run, benchmark model
+    python -m vllm_chunkattn.bench.serve --quick        # CI: tiny model, a few dozen requests
+
+For each server in turn (stock vLLM, its default CPU attention, prefix caching
+on; then the same engine arguments plus `--attention-backend chunk`):
+start `vllm serve` on a free loopback port, send the same greedy requests to
+both and compare the completions, then for each workload run `vllm bench
+serve` at a fixed max concurrency (the throughput table) and at each Poisson
+request rate (the paper's Figure 5), while a thread samples the server's
+`/metrics` for peak KV cache usage and peak batch size. Results go to one
+folder: raw `vllm bench serve` JSON per run, results.json, table.md and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from vllm_chunkattn.bench import greedy_check
+from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
+from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
+from vllm_chunkattn.bench.workloads import Workload, workloads
+from vllm_chunkattn.server import VllmServer
+
+SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
+
+
+# ---------------------------------------------------------------- options
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.serve", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the generated benchmark model; "
+                    "with --quick the embedded tiny test model)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI: tiny model, short prompts, a few dozen requests, no rate sweep; "
+                    "exits non-zero unless both servers give identical greedy completions")
+    ap.add_argument("--workloads", help="comma-separated subset (default: all of the mode; "
+                    "full: prefix_repetition-1024,prefix_repetition-2048,tree,random-1024; "
+                    "quick: prefix_repetition-256,tree,random-256)")
+    ap.add_argument("--servers", default="stock,chunk", help="which servers to run, in this order")
+    ap.add_argument("--out", help="results folder (default: results/serve/<timestamp>)")
+    ap.add_argument("--max-concurrency", type=int, default=32,
+                    help="client concurrency of the throughput runs; also the servers' --max-num-seqs")
+    ap.add_argument("--num-prompts", type=int, help="requests per throughput run "
+                    "(default 64: two rounds of --max-concurrency 32; --quick 24); rounded up to what the dataset needs")
+    ap.add_argument("--request-rates", default="0.25,0.5,1",
+                    help="Poisson request rates (req/s) of the sweep; '' for none (--quick: none)")
+    ap.add_argument("--sweep-workloads", help="workloads swept over request rates (default: all chosen)")
+    ap.add_argument("--sweep-duration", type=float, default=30.0,
+                    help="seconds of arrivals per sweep run: num_prompts = rate * this, at least 8")
+    ap.add_argument("--kv-cache-space", type=float, help="GiB of KV cache per server, "
+                    "VLLM_CPU_KVCACHE_SPACE (default 4; --quick 1)")
+    ap.add_argument("--dtype", default="float32", help="bf16 matmul is very slow on CPUs without AMX")
+    ap.add_argument("--block-size", type=int, default=64,
+                    help="the same for both servers; 64 is the paper's chunk size")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--compile", action="store_true",
+                    help="let vLLM torch.compile the model (default: --enforce-eager for both servers)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the datasets and arrivals, same for both servers")
+    ap.add_argument("--greedy-prompts", type=int, default=8, help="requests of the greedy check")
+    ap.add_argument("--greedy-tokens", type=int, help="tokens per greedy-check request (default 32; --quick 16)")
+    ap.add_argument("--extra-server-args", default="", help="more `vllm serve` options, given to both servers")
+    ap.add_argument("--progress-interval", type=float, default=15.0, help="seconds between progress lines")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="seconds after which one `vllm bench serve` run is stopped and recorded as timed out "
+                    "(the benchmark goes on with the next run)")
+    args = ap.parse_args(argv)
+    args.num_prompts = args.num_prompts or (24 if args.quick else 64)
+    args.kv_cache_space = args.kv_cache_space or (1.0 if args.quick else 4.0)
+    args.greedy_tokens = args.greedy_tokens or (16 if args.quick else 32)
+    args.rates = [] if args.quick else [float(r) for r in args.request_rates.split(",") if r.strip()]
+    return args
+
+
+def engine_args(args: argparse.Namespace) -> list[str]:
+    """What both servers get, identically."""
+    common = [
+        "--dtype", args.dtype,
+        "--block-size", str(args.block_size),
+        "--max-num-seqs", str(args.max_concurrency),
+        "--max-model-len", str(args.max_model_len),
+        "--enable-prefix-caching",
+        "--seed", "0",
+    ]
+    if not args.compile:
+        common.append("--enforce-eager")
+    return common + shlex.split(args.extra_server_args)
+
+
+# ---------------------------------------------------------------- runs
+
+@dataclass(frozen=True)
+class Run:
+    workload: Workload
+    mode: str  # "concurrency": --max-concurrency, all requests at once; "rate": Poisson arrivals
+    x: float  # the max concurrency or the request rate
+    num_prompts: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload.name}-" + (f"c{self.x:g}" if self.mode == "concurrency" else f"r{self.x:g}")
+
+    def traffic_args(self) -> list[str]:
+        if self.mode == "concurrency":
+            return ["--max-concurrency", str(int(self.x))]
+        return ["--request-rate", f"{self.x:g}"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_runs(args: argparse.Namespace, chosen: dict[str, Workload]) -> list[Run]:
+    swept = set(args.sweep_workloads.split(",")) if args.sweep_workloads else set(chosen)
+    runs = []
+    for w in chosen.values():
+        runs.append(Run(w, "concurrency", args.max_concurrency, round_up(args.num_prompts, w.num_prompts_multiple)))
+        if w.name in swept:
+            for rate in args.rates:
+                n = max(8, round(rate * args.sweep_duration))
+                runs.append(Run(w, "rate", rate, round_up(n, w.num_prompts_multiple)))
+    return runs
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"[{int(elapsed // 60):3d}:{int(elapsed % 60):02d}] {message}", flush=True)
+
+
+def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, server: str,
+                  dataset_dir: Path, raw_dir: Path) -> list[str]:
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    return [
+        vllm, "bench", "serve",
+        "--base-url", url, "--model", model, "--label", server,
+        "--seed", str(args.seed), "--num-prompts", str(run.num_prompts),
+        *run.workload.bench_args(dataset_dir), *run.traffic_args(),
+        # Greedy, full length: the same work for both servers, and comparable texts.
+        "--temperature", "0", "--ignore-eos",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run.name}.json",
+        "--disable-tqdm",
+    ]
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Each run starts with an empty prefix cache, so no run profits from an
+    earlier one and the order of runs does not matter (a dev-mode endpoint)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=30):
+            return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+CHUNK_STATS = re.compile(r"(\d+)% of decode KV reads served once per batch")
+
+
+def chunk_log_stats(log_text: str) -> float | None:
+    """Mean of the backend's periodic 'x% of decode KV reads served once per batch'."""
+    values = [int(m) for m in CHUNK_STATS.findall(log_text)]
+    return sum(values) / len(values) if values else None
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, out: Path, progress: Progress) -> dict:
+    raw_dir, log_dir = out / "raw", out / "logs"
+    cmd = bench_command(args, model, server.url, run, server_name, out / "datasets", raw_dir)
+    log_path = log_dir / f"{server_name}-{run.name}.client.log"
+    log_path.write_text("$ " + shlex.join(cmd) + "\n")
+    server_log_offset = len(server.log_text())
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    with MetricsPoller(server.url) as poller, open(log_path, "a") as log:
+        # Its own process group, so that stopping it also stops anything it started.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            last = time.monotonic()
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if time.monotonic() - started > args.run_timeout:
+                    timed_out = True
+                    break
+                if time.monotonic() - last >= args.progress_interval:
+                    last = time.monotonic()
+                    now = poller.latest()
+                    progress(f"    {int(poller.delta(FINISHED))}/{run.num_prompts} done, "
+                             f"running {now.get(RUNNING, 0):.0f}, waiting {now.get(WAITING, 0):.0f}, "
+                             f"KV cache {100 * now.get(KV_CACHE_USAGE, 0):.1f}%")
+        finally:
+            stop_process_group(proc)
+    wall_s = time.monotonic() - started
+    if proc.returncode != 0 and not timed_out:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+    metrics = poller.summary()
+    (out / "metrics").mkdir(exist_ok=True)
+    (out / "metrics" / f"{server_name}-{run.name}.json").write_text(json.dumps(asdict(metrics)) + "\n")
+    raw_path = raw_dir / f"{server_name}-{run.name}.json"
+    if timed_out:
+        # The client saves nothing when stopped; what the server finished is all there is.
+        client = {**dict.fromkeys(CLIENT_FIELDS, math.nan), "num_prompts": run.num_prompts,
+                  "completed": metrics.finished, "failed": run.num_prompts - metrics.finished}
+        progress(f"    TIMED OUT after {args.run_timeout:.0f} s ({metrics.finished}/{run.num_prompts} finished); "
+                 "going on with the next run")
+    else:
+        client = summarise_raw(json.loads(raw_path.read_text()))
+    record = {
+        "server": server_name, "workload": run.workload.name, "mode": run.mode, "x": run.x,
+        "raw": None if timed_out else str(raw_path.relative_to(out)),
+        "timed_out": timed_out,
+        **client,
+        "peak_kv_cache_usage": metrics.peak_kv_cache_usage,
+        "peak_kv_cache_gib": metrics.peak_kv_cache_gib,
+        "peak_batch": metrics.peak_running,
+        "peak_waiting": metrics.peak_waiting,
+        "mean_batch": metrics.mean_running,
+        "preemptions": metrics.preemptions,
+        "prefix_cache_hit_rate": metrics.prefix_cache_hit_rate,
+        "chunk_decode_kv_read_once_pct": chunk_log_stats(server.log_text()[server_log_offset:]),
+        "wall_s": wall_s,
+        "load_avg_before": load_before[0],
+        "load_avg_after": os.getloadavg()[0],
+    }
+    if not timed_out:
+        progress(f"    {record['completed']}/{record['num_prompts']} completed in {record['duration_s']:.0f} s: "
+                 f"{record['request_throughput']:.2f} req/s, {record['output_throughput']:.1f} output tok/s, "
+                 f"normalised latency {record['mean_normalised_latency_ms']:.1f} ms/tok, "
+                 f"peak batch {record['peak_batch']}, peak KV {100 * record['peak_kv_cache_usage']:.1f}%")
+    if record["completed"] != record["num_prompts"] and not timed_out:
+        progress(f"    WARNING: {record['num_prompts'] - record['completed']} requests failed; see {raw_path}")
+    return record
+
+
+def greedy_prompts(args, chosen: dict[str, Workload], model: str, out: Path) -> list[str]:
+    """Prompts with a multi-level shared prefix (the tree dataset when chosen, else a
+    small one), so the check runs the backend's shared-prefix decode path."""
+    from vllm_chunkattn.bench.workloads import workloads as all_workloads
+
+    tree = next((w for w in chosen.values() if w.tree is not None), None)
+    tree = tree or next(w for w in all_workloads(args.quick).values() if w.tree is not None)
+    path = tree.dataset_path(out / "datasets")
+    if not path.exists():
+        tree.prepare(model, out / "datasets", args.greedy_prompts, args.seed)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["prompt"] for r in rows[: args.greedy_prompts]]
+
+
+# ---------------------------------------------------------------- main
+
+class Terminated(KeyboardInterrupt):
+    pass
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"signal {signum}")
+
+
+def environment_info(model: str) -> dict:
+    info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        from importlib.metadata import version
+
+        info["vllm"] = version("vllm-cpu") if _has_dist("vllm-cpu") else version("vllm")
+        info["torch"] = version("torch")
+    except Exception:  # informational only
+        pass
+    try:
+        repo = Path(__file__).resolve().parents[2]
+        info["git_commit"] = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True).stdout.strip()
+        info["git_dirty"] = bool(subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                                capture_output=True, text=True).stdout.strip())
+    except OSError:
+        pass
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    info["cpu"] = names[0] if names else platform.processor()
+    info["model"] = model
+    return info
+
+
+def _has_dist(name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(name)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    progress = Progress()
+    from vllm_chunkattn.models import ensure_model
+
+    model = args.model or ensure_model("tiny" if args.quick else "bench")
+    available = workloads(args.quick)
+    names = args.workloads.split(",") if args.workloads else list(available)
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        print(f"unknown workloads {unknown}; known: {', '.join(available)}", file=sys.stderr)
+        return 2
+    chosen = {n: available[n] for n in names}
+    servers = args.servers.split(",")
+    out = Path(args.out or f"results/serve/{datetime.now():%Y%m%d-%H%M%S}")
+    for sub in ("raw", "logs", "datasets"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    runs = plan_runs(args, chosen)
+    for w in chosen.values():
+        w.prepare(model, out / "datasets", max(r.num_prompts for r in runs if r.workload is w), args.seed)
+    common = engine_args(args)
+    command = "python -m vllm_chunkattn.bench.serve " + shlex.join(argv if argv is not None else sys.argv[1:])
+    results = {
+        "command": command.strip(),
+        "setup": (f"Model `{Path(model).name}`, {args.dtype}, block size {args.block_size}, "
+                  f"max {args.max_concurrency} running requests, KV cache {args.kv_cache_space:g} GiB, "
+                  f"{'torch.compile' if args.compile else '--enforce-eager'}, seed {args.seed}; "
+                  f"`vllm serve` arguments for both servers: `{shlex.join(common)}`."),
+        "args": vars(args), "engine_args": common, "environment": environment_info(model),
+        "workloads": [{**asdict(w), "tree": asdict(w.tree) if w.tree else None} for w in chosen.values()],
+        "servers": {}, "runs": [], "timings_s": {}, "greedy": {},
+    }
+    (out / "config.json").write_text(json.dumps({k: results[k] for k in ("command", "args", "engine_args", "environment")},
+                                                indent=2, default=str) + "\n")
+    progress(f"results in {out}; {len(runs)} runs per server: " + ", ".join(r.name for r in runs))
+
+    previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    status = 0
+    try:
+        prompts = greedy_prompts(args, chosen, model, out)
+        for server_name in servers:
+            progress(f"{server_name}: starting vllm serve {shlex.join(SERVERS[server_name] + common)}")
+            started = time.monotonic()
+            server = VllmServer(model, SERVERS[server_name] + common, log_path=out / "logs" / f"{server_name}.server.log",
+                                env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_space:g}", "VLLM_SERVER_DEV_MODE": "1"})
+            results["servers"][server_name] = {"url": server.url, "log": str(server.log_path.relative_to(out))}
+            try:
+                server.start()
+                results["timings_s"][f"{server_name}/start"] = time.monotonic() - started
+                progress(f"{server_name}: healthy after {time.monotonic() - started:.0f} s on {server.url}")
+                t0 = time.monotonic()
+                results["greedy"][server_name] = greedy_check.greedy_completions(
+                    server.url, model, prompts, args.greedy_tokens)
+                results["timings_s"][f"{server_name}/greedy_check"] = time.monotonic() - t0
+                progress(f"{server_name}: greedy check, {len(prompts)} requests, {time.monotonic() - t0:.0f} s")
+                for i, run in enumerate(runs, 1):
+                    if not reset_prefix_cache(server.url):
+                        progress("    WARNING: could not reset the prefix cache (needs VLLM_SERVER_DEV_MODE=1)")
+                    progress(f"{server_name} [{i}/{len(runs)}] {run.name}: {run.num_prompts} requests, "
+                             + (f"max concurrency {run.x:g}" if run.mode == "concurrency" else f"Poisson {run.x:g} req/s"))
+                    record = run_bench(args, model, server, server_name, run, out, progress)
+                    results["runs"].append(record)
+                    results["timings_s"][f"{server_name}/{run.name}"] = record["wall_s"]
+            finally:
+                server.stop()
+            progress(f"{server_name}: stopped")
+    except KeyboardInterrupt as exc:
+        progress(f"interrupted ({exc or 'Ctrl-C'}); servers stopped")
+        status = 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if all(s in results["greedy"] for s in SERVERS):
+            check = greedy_check.compare(results["greedy"]["stock"], results["greedy"]["chunk"])
+            check["summary"] = greedy_check.describe(check)
+            results["greedy_check"] = check
+            progress(f"greedy check: {check['summary']}")
+            if args.quick and not check["all_identical"] and status == 0:
+                status = 1
+        results["benchmark_texts_identical"] = greedy_check.compare_benchmark_texts(out, results["runs"])
+        if results["runs"] or results["greedy"]:
+            table = write_report(out, results)
+            print("\n" + table, flush=True)
+            progress(f"wrote {out}/table.md, results.json, " + ", ".join(p.name for p in sorted(out.glob("*.png"))))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
