@@ -52,24 +52,6 @@ def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32)
     return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
 
 
-# Fake (meta) kernels, so torch.compile can trace through the ops: they only
-# write into their `out` argument and return nothing.
-if _compiled("tpp_decode") is not None:
-
-    @torch.library.register_fake("chunkattn::tpp_decode")
-    def _tpp_decode_fake(out, query, kv_cache, block_table, seq_lens, order, node_begin, node_end, node_chunk_begin,
-                         node_chunk_end, node_partial_offset, shared_chunks, row_partial_offsets, row_partials,
-                         num_partial_rows, scale) -> None:
-        return None
-
-
-if _compiled("paged_prefill") is not None:
-
-    @torch.library.register_fake("chunkattn::paged_prefill")
-    def _paged_prefill_fake(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale) -> None:
-        return None
-
-
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key, value [num_tokens, num_kv_heads, head_size] into their slots of kv_cache."""
     kernel = _compiled("write_kv_cache", kv_cache.device)
