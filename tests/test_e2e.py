@@ -23,6 +23,7 @@ def test_chunk_matches_stock(runs, name):
     *_, logprob_atol, near_tie = CONFIGS[name]
     stock, chunk = runs(name, "stock"), runs(name, "chunk")
     assert "Using CHUNK backend" in chunk["log"] and "Using CHUNK backend" not in stock["log"]
+    assert "Using CHUNK attention backend (vllm_chunkattn)" in chunk["log"]  # our builder's own log line
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     print(name, {k: v for k, v in report.items() if k != "problems"})
     assert not report["problems"], "\n".join(report["problems"][:20])

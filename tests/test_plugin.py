@@ -33,6 +33,18 @@ def test_chunk_selects_our_backend(spelling):
     assert backend.get_class() is ChunkAttentionBackend
 
 
+def test_our_log_lines_reach_vllms_handlers():
+    import logging
+
+    from vllm.logger import _configure_vllm_root_logger
+
+    from vllm_chunkattn import backend
+
+    _configure_vllm_root_logger()  # what vLLM does at engine start
+    assert backend.logger.isEnabledFor(logging.INFO)
+    assert backend.logger.name.startswith("vllm.")  # propagates to vLLM's handlers
+
+
 def test_registering_twice_is_harmless():
     register()
     assert AttentionBackendEnum["CHUNK"].get_class() is ChunkAttentionBackend

@@ -44,7 +44,7 @@ from vllm_chunkattn import BACKEND_NAME, ops
 from vllm_chunkattn.device_context import DeviceTreeBuffers
 from vllm_chunkattn.tree import PrefixTreeCache, PrefixTreeContext
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.chunkattn.backend")  # in vLLM's hierarchy, see plugin.py
 
 SUPPORTED_HEAD_SIZES = [64, 128, 256]
 SUPPORTED_BLOCK_SIZES = [32, 64, 128]

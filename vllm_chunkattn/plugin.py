@@ -17,7 +17,9 @@ from vllm_chunkattn import BACKEND_NAME
 
 BACKEND_CLASS = "vllm_chunkattn.backend.ChunkAttentionBackend"
 
-logger = logging.getLogger("vllm_chunkattn")
+# Under "vllm.": vLLM configures handlers for its own logger hierarchy only
+# (lazily, at engine start), so a logger outside it would print nothing at INFO.
+logger = logging.getLogger("vllm.chunkattn")
 
 
 def register() -> None:
