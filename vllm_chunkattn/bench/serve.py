@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--greedy-tokens", type=int, help="tokens per greedy-check request (default 32; --quick 16)")
     ap.add_argument("--extra-server-args", default="", help="more `vllm serve` options, given to both servers")
     ap.add_argument("--progress-interval", type=float, default=15.0, help="seconds between progress lines")
+    ap.add_argument("--metrics-interval", type=float,
+                    help="seconds between /metrics samples (default 0.5; --quick 0.05, its runs last about a second)")
     ap.add_argument("--run-timeout", type=float, default=900.0,
                     help="seconds after which one `vllm bench serve` run is stopped and recorded as timed out "
                     "(the benchmark goes on with the next run)")
@@ -86,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or (24 if args.quick else 64)
     args.kv_cache_space = args.kv_cache_space or (1.0 if args.quick else 4.0)
     args.greedy_tokens = args.greedy_tokens or (16 if args.quick else 32)
+    args.metrics_interval = args.metrics_interval or (0.05 if args.quick else 0.5)
     args.rates = [] if args.quick else [float(r) for r in args.request_rates.split(",") if r.strip()]
     return args
 
@@ -205,7 +208,7 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
     server_log_offset = len(server.log_text())
     load_before = os.getloadavg()
     started = time.monotonic()
-    with MetricsPoller(server.url) as poller, open(log_path, "a") as log:
+    with MetricsPoller(server.url, args.metrics_interval) as poller, open(log_path, "a") as log:
         # Its own process group, so that stopping it also stops anything it started.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         timed_out = False
