@@ -37,7 +37,7 @@ from vllm_chunkattn.bench import greedy_check
 from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
 from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
 from vllm_chunkattn.bench.workloads import Workload, workloads
-from vllm_chunkattn.server import VllmServer
+from vllm_chunkattn.server import ServerError, VllmServer
 
 SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
 
@@ -185,6 +185,19 @@ def chunk_log_stats(log_text: str) -> float | None:
     """Mean of the backend's periodic 'x% of decode KV reads served once per batch'."""
     values = [int(m) for m in CHUNK_STATS.findall(log_text)]
     return sum(values) / len(values) if values else None
+
+
+# A raised exception as Python prints it, alone or after a vLLM log prefix "... [file.py:123] ".
+ERROR_LINE = re.compile(r"^(?:.*\] )?(\w+(?:Error|Exception): .+)$", re.MULTILINE)
+
+
+def error_lines(log_text: str, limit: int = 3) -> list[str]:
+    """The first distinct 'SomethingError: message' lines of a server log."""
+    found: list[str] = []
+    for m in ERROR_LINE.finditer(log_text):
+        if m.group(1) not in found:
+            found.append(m.group(1))
+    return found[:limit]
 
 
 def stop_process_group(proc: subprocess.Popen) -> None:
@@ -365,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"results in {out}; {len(runs)} runs per server: " + ", ".join(r.name for r in runs))
 
     previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Also where SIGINT was ignored at start (a job started with & by a script), Ctrl-C must stop the servers.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     status = 0
     try:
         prompts = greedy_prompts(args, chosen, model, out)
@@ -375,7 +390,13 @@ def main(argv: list[str] | None = None) -> int:
                                 env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_space:g}", "VLLM_SERVER_DEV_MODE": "1"})
             results["servers"][server_name] = {"url": server.url, "log": str(server.log_path.relative_to(out))}
             try:
-                server.start()
+                try:
+                    server.start()
+                except ServerError:
+                    # The log's tail is the API server's traceback; the cause is further up.
+                    for line in error_lines(server.log_text()):
+                        progress(f"{server_name}: {line}")
+                    raise
                 results["timings_s"][f"{server_name}/start"] = time.monotonic() - started
                 progress(f"{server_name}: healthy after {time.monotonic() - started:.0f} s on {server.url}")
                 t0 = time.monotonic()
@@ -411,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         if results["runs"] or results["greedy"]:
             table = write_report(out, results)
             print("\n" + table, flush=True)
-            progress(f"wrote {out}/table.md, results.json, " + ", ".join(p.name for p in sorted(out.glob("*.png"))))
+            written = ["table.md", "results.json", *(p.name for p in sorted(out.glob("*.png")))]
+            progress(f"wrote {', '.join(written)} in {out}")
     return status
 
 
