@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             progress(f"{server_name}: stopped")
     except KeyboardInterrupt as exc:
-        progress(f"interrupted ({exc or 'Ctrl-C'}); servers stopped")
+        progress(f"interrupted ({str(exc) or 'Ctrl-C'}); servers stopped")
         status = 130
     finally:
         for s, handler in previous.items():
