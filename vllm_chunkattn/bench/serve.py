@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chosen = {n: available[n] for n in names}
     servers = args.servers.split(",")
+    if not set(servers) <= set(SERVERS):
+        print(f"unknown servers in {args.servers!r}; known: {', '.join(SERVERS)}", file=sys.stderr)
+        return 2
     out = Path(args.out or f"results/serve/{datetime.now():%Y%m%d-%H%M%S}")
     for sub in ("raw", "logs", "datasets"):
         (out / sub).mkdir(parents=True, exist_ok=True)
