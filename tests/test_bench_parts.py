@@ -122,3 +122,16 @@ def test_report_table_ratios_and_plots(tmp_path):
     assert markdown(saved) == table  # the report can be rebuilt from results.json
     for name in ("fig5_normalised_latency.png", "throughput.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_server_start_failure_shows_the_cause():
+    from vllm_chunkattn.bench.serve import error_lines
+
+    log = (
+        "(APIServer pid=1) WARNING 11-21 [system_utils.py:255] Found ulimit; fd limit errors like `OSError: [Errno 24]`\n"
+        "(Worker pid=2) ERROR 11-21 [multiproc_executor.py:953] ValueError: CHUNK does not support block size 16\n"
+        "(Worker pid=2) ERROR 11-21 [multiproc_executor.py:953] ValueError: CHUNK does not support block size 16\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert error_lines(log) == ["ValueError: CHUNK does not support block size 16",
+                                "RuntimeError: Engine core initialization failed. See root cause above."]

@@ -203,7 +203,8 @@ def markdown(results: dict) -> str:
     lines += [
         "Ratios are chunk/stock: above 1 is better for throughput, below 1 is better for latencies.",
         "Normalised latency: per request, end-to-end latency (incl. server queueing) / output tokens; mean and p90 over requests.",
-        "Peak KV cache: highest `vllm:kv_cache_usage_perc` seen (every 0.5 s); peak batch: highest `vllm:num_requests_running`.",
+        f"Peak KV cache: highest `vllm:kv_cache_usage_perc` sampled (every {results.get('args', {}).get('metrics_interval', 0.5):g} s); "
+        "peak batch: highest `vllm:num_requests_running` sampled.",
         "",
     ]
     return "\n".join(lines)

@@ -37,7 +37,7 @@ from vllm_chunkattn.bench import greedy_check
 from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
 from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
 from vllm_chunkattn.bench.workloads import Workload, workloads
-from vllm_chunkattn.server import VllmServer
+from vllm_chunkattn.server import ServerError, VllmServer
 
 SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
 
@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--greedy-tokens", type=int, help="tokens per greedy-check request (default 32; --quick 16)")
     ap.add_argument("--extra-server-args", default="", help="more `vllm serve` options, given to both servers")
     ap.add_argument("--progress-interval", type=float, default=15.0, help="seconds between progress lines")
+    ap.add_argument("--metrics-interval", type=float,
+                    help="seconds between /metrics samples (default 0.5; --quick 0.05, its runs last about a second)")
     ap.add_argument("--run-timeout", type=float, default=900.0,
                     help="seconds after which one `vllm bench serve` run is stopped and recorded as timed out "
                     "(the benchmark goes on with the next run)")
@@ -86,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or (24 if args.quick else 64)
     args.kv_cache_space = args.kv_cache_space or (1.0 if args.quick else 4.0)
     args.greedy_tokens = args.greedy_tokens or (16 if args.quick else 32)
+    args.metrics_interval = args.metrics_interval or (0.05 if args.quick else 0.5)
     args.rates = [] if args.quick else [float(r) for r in args.request_rates.split(",") if r.strip()]
     return args
 
@@ -184,6 +187,19 @@ def chunk_log_stats(log_text: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+# A raised exception as Python prints it, alone or after a vLLM log prefix "... [file.py:123] ".
+ERROR_LINE = re.compile(r"^(?:.*\] )?(\w+(?:Error|Exception): .+)$", re.MULTILINE)
+
+
+def error_lines(log_text: str, limit: int = 3) -> list[str]:
+    """The first distinct 'SomethingError: message' lines of a server log."""
+    found: list[str] = []
+    for m in ERROR_LINE.finditer(log_text):
+        if m.group(1) not in found:
+            found.append(m.group(1))
+    return found[:limit]
+
+
 def stop_process_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
@@ -205,7 +221,7 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
     server_log_offset = len(server.log_text())
     load_before = os.getloadavg()
     started = time.monotonic()
-    with MetricsPoller(server.url) as poller, open(log_path, "a") as log:
+    with MetricsPoller(server.url, args.metrics_interval) as poller, open(log_path, "a") as log:
         # Its own process group, so that stopping it also stops anything it started.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         timed_out = False
@@ -339,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chosen = {n: available[n] for n in names}
     servers = args.servers.split(",")
+    if not set(servers) <= set(SERVERS):
+        print(f"unknown servers in {args.servers!r}; known: {', '.join(SERVERS)}", file=sys.stderr)
+        return 2
     out = Path(args.out or f"results/serve/{datetime.now():%Y%m%d-%H%M%S}")
     for sub in ("raw", "logs", "datasets"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -362,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"results in {out}; {len(runs)} runs per server: " + ", ".join(r.name for r in runs))
 
     previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Also where SIGINT was ignored at start (a job started with & by a script), Ctrl-C must stop the servers.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     status = 0
     try:
         prompts = greedy_prompts(args, chosen, model, out)
@@ -372,7 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                                 env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_space:g}", "VLLM_SERVER_DEV_MODE": "1"})
             results["servers"][server_name] = {"url": server.url, "log": str(server.log_path.relative_to(out))}
             try:
-                server.start()
+                try:
+                    server.start()
+                except ServerError:
+                    # The log's tail is the API server's traceback; the cause is further up.
+                    for line in error_lines(server.log_text()):
+                        progress(f"{server_name}: {line}")
+                    raise
                 results["timings_s"][f"{server_name}/start"] = time.monotonic() - started
                 progress(f"{server_name}: healthy after {time.monotonic() - started:.0f} s on {server.url}")
                 t0 = time.monotonic()
@@ -392,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             progress(f"{server_name}: stopped")
     except KeyboardInterrupt as exc:
-        progress(f"interrupted ({exc or 'Ctrl-C'}); servers stopped")
+        progress(f"interrupted ({str(exc) or 'Ctrl-C'}); servers stopped")
         status = 130
     finally:
         for s, handler in previous.items():
@@ -408,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         if results["runs"] or results["greedy"]:
             table = write_report(out, results)
             print("\n" + table, flush=True)
-            progress(f"wrote {out}/table.md, results.json, " + ", ".join(p.name for p in sorted(out.glob("*.png"))))
+            written = ["table.md", "results.json", *(p.name for p in sorted(out.glob("*.png")))]
+            progress(f"wrote {', '.join(written)} in {out}")
     return status
 
 
