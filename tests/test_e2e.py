@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from compare import compare_runs
-from conftest import CONFIGS
+from e2e_runs import CONFIGS
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CONFIGS
+from e2e_runs import CONFIGS
 from vllm_chunkattn.models import ensure_model
 from vllm_chunkattn.server import ServerError, VllmServer
 from vllm_chunkattn.workload import CHAT_MAX_TOKENS, chat_conversations, shared_prefix_workload
