@@ -28,41 +28,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_chunkattn.tree import PrefixTreeContext
+from vllm_chunkattn.tree import PrefixTreeContext, context_from_nodes
 
 _NODE_FIELDS = ("node_begin", "node_end", "node_chunk_begin", "node_chunk_end", "node_partial_offset")
-
-
-def context_from_nodes(order: np.ndarray, nodes: list[tuple[int, int, int, int]], num_rows: int) -> PrefixTreeContext:
-    """A context for tree order `order` and nodes (begin, end, chunk_begin,
-    chunk_end), partial rows numbered node by node (as tree.build_prefix_tree)."""
-    shared = np.zeros(num_rows, np.int64)
-    per_row: list[list[int]] = [[] for _ in range(num_rows)]
-    offsets, offset = [], 0
-    for begin, end, _, chunk_end in nodes:
-        offsets.append(offset)
-        for t in range(begin, end):
-            row = int(order[t])
-            per_row[row].append(offset + t - begin)
-            shared[row] = max(shared[row], chunk_end)
-        offset += end - begin
-
-    def i32(values) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int32).reshape(-1))
-
-    columns = list(zip(*nodes)) if nodes else [[], [], [], []]
-    return PrefixTreeContext(
-        order=i32(order),
-        node_begin=i32(columns[0]),
-        node_end=i32(columns[1]),
-        node_chunk_begin=i32(columns[2]),
-        node_chunk_end=i32(columns[3]),
-        node_partial_offset=i32(offsets),
-        shared_chunks=i32(shared),
-        row_partial_offsets=i32(np.cumsum([0] + [len(r) for r in per_row])),
-        row_partials=i32([i for r in per_row for i in r]),
-        num_partial_rows=offset,
-    )
 
 
 def fit_context(ctx: PrefixTreeContext, max_nodes: int, max_partial_rows: int) -> PrefixTreeContext:

@@ -94,16 +94,20 @@ def build_prefix_tree(table: np.ndarray) -> PrefixTreeContext:
             open_nodes.setdefault(key, p)
     nodes.sort(key=lambda n: (n[2], n[0]))  # parents first: easy to read when printed
 
-    position = np.empty(num_rows, np.int64)
-    position[order] = np.arange(num_rows)
+    return context_from_nodes(order, nodes, num_rows)
+
+
+def context_from_nodes(order: np.ndarray, nodes: list[tuple[int, int, int, int]], num_rows: int) -> PrefixTreeContext:
+    """A context for tree order `order` and nodes (begin, end, chunk_begin,
+    chunk_end), partial rows numbered node by node. Also used for trees cut
+    to fit fixed device buffers (device_context.fit_context)."""
     shared = np.zeros(num_rows, np.int64)
     per_row: list[list[int]] = [[] for _ in range(num_rows)]
-    offset = 0
-    offsets = []
+    offsets, offset = [], 0
     for begin, end, _, chunk_end in nodes:
         offsets.append(offset)
         for t in range(begin, end):
-            row = order[t]
+            row = int(order[t])
             per_row[row].append(offset + t - begin)
             shared[row] = max(shared[row], chunk_end)
         offset += end - begin

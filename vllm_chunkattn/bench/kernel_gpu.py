@@ -51,7 +51,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_chunkattn.device_context import DeviceTreeBuffers, context_from_nodes
+from vllm_chunkattn.device_context import DeviceTreeBuffers
+from vllm_chunkattn.tree import context_from_nodes
 from vllm_chunkattn.paged_cases import multi_level, num_blocks_needed, shared_prefix
 from vllm_chunkattn.tree import PrefixTreeContext, prefix_tree
 
