@@ -33,7 +33,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 0.0), torch.bfloat16: (2e-2, 0.0)}
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("CHUNKATTN_TEST_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("CHUNKATTN_TEST_EXAMPLES", "100")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

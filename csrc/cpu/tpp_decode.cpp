@@ -25,13 +25,19 @@
 //     are walked chunk by chunk, so the reads stream through whole blocks.
 //     Then the node partials are merged (equation 2) and the result
 //     normalised once and written in the output dtype.
-//   Both phases run on torch's intra-op pool; items are handed out costliest
-//   first through an atomic counter (parallel_items).
+//   Both phases run in one parallel region on torch's intra-op pool: items are
+//   handed out through an atomic counter (parallel_items), all phase-1 items
+//   (costliest first) before the phase-2 ones; a phase-2 item attends its
+//   private chunks first and only then waits, on per-node counters, for the
+//   phase-1 items whose partials it merges.
 //
 // Partial results live in a per-calling-thread scratch:
 //   o [num_kv_heads, slots, G, D], m, n [num_kv_heads, slots, G], where node k's
 //   split s owns slots slot_base[k] + s*rows_k + (tree position - node_begin).
 #include <ATen/Dispatch.h>
+
+#include <memory>
+#include <thread>
 
 #include "chunkattn.h"
 #include "cpu/driver_utils.h"
@@ -171,8 +177,12 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   float* part_m = part_mn;
   float* part_n = part_mn + num_kv_heads * part_rows;
 
+  // Unfinished phase-1 items per node; phase-2 items wait on them before merging.
+  std::unique_ptr<std::atomic<int32_t>[]> pending(new std::atomic<int32_t>[std::max<int64_t>(num_nodes, 1)]);
+  for (int64_t k = 0; k < num_nodes; ++k) pending[k].store(static_cast<int32_t>(num_kv_heads * plan.splits[k]));
+
   // ---- Phase 1: chunk-first, one item per (node, kv head, split).
-  cpu::parallel_items(static_cast<int64_t>(plan.items.size()), [&](int64_t i) {
+  auto chunk_first = [&](int64_t i) {
     const Plan::Item& item = plan.items[i];
     const int32_t k = item.node, h = item.head, s = item.split;
     const int32_t rows = plan.rows[k];
@@ -190,7 +200,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
                 static_cast<int>((c1 - c0) * block_size), h, nullptr,
                 part_o + row0 * D, part_m + row0, part_n + row0};
     (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
-  });
+    pending[k].fetch_sub(1, std::memory_order_release);
+  };
 
   // ---- Phase 2: sequence-first, one item per (batch row, group of kv heads);
   // rows with the most private tokens first. A group walks each private chunk's
@@ -207,7 +218,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   const int64_t heads_per_item = (num_kv_heads + groups_per_row - 1) / groups_per_row;
   const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
   const bool seq_direct = group <= kern.direct_max_rows;
-  cpu::parallel_items(batch * items_per_row, [&](int64_t i) {
+  auto sequence_first = [&](int64_t i) {
     const int64_t b = rows_by_cost[i / items_per_row];
     const int32_t h0 = static_cast<int32_t>((i % items_per_row) * heads_per_item);
     const int64_t nh = std::min<int64_t>(heads_per_item, num_kv_heads - h0);
@@ -231,6 +242,13 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       std::fill(o, o + rows * D, 0.f);
       std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
       std::fill(n, n + rows, 0.f);
+    }
+
+    // The row's node partials: all phase-1 items were handed out before this
+    // item, so at most the ones still running on other threads are waited for.
+    for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
+      const std::atomic<int32_t>& left = pending[plan.partial_node[rp[e]]];
+      while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
     }
 
     // Merge (equation 2): rescale every part to the common max, sum, normalise once.
@@ -262,6 +280,16 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
       cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1);
     }
+  };
+
+  // One parallel region for both phases: phase-1 items first (costliest
+  // first), then phase-2 items, which compute their private part before
+  // waiting for their partials. A second region would add a second fork/join,
+  // whose cost is a scheduler delay whenever another process holds a core.
+  const int64_t num_chunk_items = static_cast<int64_t>(plan.items.size());
+  cpu::parallel_items(num_chunk_items + batch * items_per_row, [&](int64_t i) {
+    if (i < num_chunk_items) chunk_first(i);
+    else sequence_first(i - num_chunk_items);
   });
 }
 

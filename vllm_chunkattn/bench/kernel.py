@@ -27,9 +27,17 @@ Grids:
     fig4    Figure 4: batch 8..96 with n_p = 2048, n_s = 2048 and n_s = 1024
     tree    a two-level tree: 1024-token system prompt shared by 32 requests,
             4 groups of 8 sharing 512 more tokens, 256 private tokens each
+    prefill chunkattn::paged_prefill vs vLLM's CPU kernel on causal prefill:
+            8 requests x 512 new tokens after 512 cached ones (context 1024),
+            and 8 x 512 new tokens from scratch; 32 heads, d 128, chunk 64
 
 Timing: `--warmup` untimed calls, then `--repeats` timed calls (the dense
 baselines at most 5: they are slow and not the subject); median, min, max.
+`--clock wall` (default) times wall-clock with torch's threads. On a machine
+shared with other work, `--clock cpu` is the robust alternative: one thread,
+and the calling thread's CPU time (time.thread_time), which excludes the time
+the thread waits while other processes run; machine rates and rooflines are
+then single-core.
 Before each timed call the last-level cache is flushed (a 64 MiB write):
 in a model, the layer's KV was evicted by the other layers since its last
 step. `--warm` skips the flush.
@@ -200,6 +208,7 @@ def dense_kv(src: torch.Tensor, table: torch.Tensor, context: int) -> tuple[torc
 
 
 _FLUSH: torch.Tensor | None = None
+_CLOCK: Callable[[], float] = time.perf_counter
 
 
 def flush_cache() -> None:
@@ -216,9 +225,9 @@ def measure(fn: Callable[[], object], repeats: int, warmup: int, flush: bool) ->
     for _ in range(repeats):
         if flush:
             flush_cache()
-        t0 = time.perf_counter()
+        t0 = _CLOCK()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((_CLOCK() - t0) * 1e3)
     return times
 
 
@@ -326,6 +335,67 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: b
 
 
 # ---------------------------------------------------------------------------
+# Prefill
+
+
+@dataclasses.dataclass
+class PrefillPoint:
+    requests: int
+    new: int  # new tokens per request
+    context: int  # seq_len: cached + new
+    heads: int
+    head_dim: int
+    chunk: int
+    dtype: str
+
+
+def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
+    if quick:
+        return [PrefillPoint(2, 32, 64, 4, 64, 32, dtype)]
+    return [PrefillPoint(8, 512, 1024, 32, 128, 64, dtype), PrefillPoint(8, 512, 512, 32, 128, 64, dtype)]
+
+
+def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: bool, rng: np.random.Generator):
+    from vllm import _custom_ops as vops
+
+    dtype = DTYPES[p.dtype]
+    w = Workload("prefill", p.requests, [(p.context, 1)], p.context, 0, 0, p.heads, p.head_dim, p.chunk, p.dtype)
+    table, num_blocks = block_tables(w, False, rng)
+    cache = random_cache(num_blocks, w, dtype)
+    seq_lens = torch.full((p.requests,), p.context, dtype=torch.int32)
+    qsl = torch.arange(p.requests + 1, dtype=torch.int32) * p.new
+    query = torch.empty(p.requests * p.new, p.heads, p.head_dim, dtype=dtype).uniform_(-2.0, 2.0)
+    scale = p.head_dim**-0.5
+    ours = torch.empty_like(query)
+    times = {"ours": measure(lambda: ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, ours),
+                             repeats, warmup, flush)}
+    _, key_cache, value_cache = vllm_cache(cache, table, table, num_blocks)
+    isa = _vllm_isa(dtype, p.chunk)
+    metadata = vops.cpu_attn_get_scheduler_metadata(
+        num_reqs=p.requests, num_heads=p.heads, num_kv_heads=p.heads, head_dim=p.head_dim, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    theirs = torch.empty_like(query)
+    times["vLLM"] = measure(lambda: vops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=theirs, query_start_loc=qsl,
+        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+        softcap=0.0, scheduler_metadata=metadata, s_aux=None), repeats, warmup, flush)
+    diff = (ours.float() - theirs.float()).abs().max().item()
+    return times, diff
+
+
+def prefill_table(rows: list[dict]) -> str:
+    lines = ["| dtype | requests | new tokens | seq_len | heads | d | chunk | ours ms | vLLM ms | vLLM/ours | "
+             "GFLOP/s ours | max|Δ| |", "|" + "---|" * 12]
+    for r in rows:
+        p, med = r["p"], r["median"]
+        flops = 4 * p.requests * p.heads * p.head_dim * sum(p.context - p.new + t + 1 for t in range(p.new))
+        lines.append(f"| {p.dtype} | {p.requests} | {p.new} | {p.context} | {p.heads} | {p.head_dim} | {p.chunk} | "
+                     f"{fmt(med['ours'])} | {fmt(med['vLLM'])} | {med['vLLM'] / med['ours']:.2f}x | "
+                     f"{flops / (med['ours'] / 1e3) / 1e9:.1f} | {r['diff']:.1e} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # Report
 
 
@@ -397,23 +467,31 @@ def plot_table3(rows: list[dict], impls: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", default="all", choices=["table3", "fig3", "fig4", "tree", "all"])
+    parser.add_argument("--grid", default="all", choices=["table3", "fig3", "fig4", "tree", "prefill", "all"])
     parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "both"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CI smoke run")
     parser.add_argument("--warm", action="store_true", help="do not flush the cache before timed calls")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="wall: wall-clock, torch's threads; cpu: one thread, its CPU time (robust to other load)")
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
 
     impls = [i for i in IMPLS if i in args.impls.split(",")]
+    global _CLOCK
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
+        _CLOCK = time.thread_time
     try:
         import vllm._custom_ops  # noqa: F401
     except ImportError:
         print("vLLM is not importable: skipping PagedAttn and PagedAttn*", flush=True)
         impls = [i for i in impls if not i.startswith("PagedAttn")]
-    grids = ["table3", "fig3", "fig4", "tree"] if args.grid == "all" else [args.grid]
+    grids = ["table3", "fig3", "fig4", "tree", "prefill"] if args.grid == "all" else [args.grid]
+    if "prefill" in grids and not any(i.startswith("PagedAttn") for i in impls):
+        grids.remove("prefill")  # needs vLLM
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -423,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_isa": torch.ops.chunkattn.cpu_isa(),
         "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "read_bandwidth_GBps": round(bandwidth, 1), "fp32_matmul_GFLOPs": round(gflops, 1),
-        "loadavg_start": os.getloadavg(), "flush_cache": not args.warm, "repeats": args.repeats,
+        "loadavg_start": os.getloadavg(), "flush_cache": not args.warm, "clock": args.clock, "repeats": args.repeats,
         "warmup": args.warmup, "argv": sys.argv,
     }
     print(f"machine: {env}", flush=True)
@@ -435,8 +513,21 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     rows_by_table: dict[tuple[str, str], list[dict]] = {}
     start = time.time()
+    prefill_rows: list[dict] = []
     for grid in grids:
         for dtype in dtypes:
+            if grid == "prefill":
+                for p in prefill_points(dtype, args.quick):
+                    print(f"[{time.time() - start:6.0f}s] prefill {p} ...", flush=True)
+                    times, diff = run_prefill_point(p, args.repeats, args.warmup, not args.warm, rng)
+                    for name, ts in times.items():
+                        records.append(dict(grid="prefill", impl=name, n_p=p.context, n_s=0, n_c=p.new,
+                                            batch=p.requests, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk,
+                                            dtype=p.dtype, **summarise(ts), max_abs_diff_vs_ours=diff))
+                    median = {name: statistics.median(ts) for name, ts in times.items()}
+                    prefill_rows.append(dict(p=p, median=median, diff=diff))
+                    print("    " + "  ".join(f"{k} {v:.2f}" for k, v in median.items()), flush=True)
+                continue
             for w in grid_points(grid, dtype, args.quick):
                 print(f"[{time.time() - start:6.0f}s] {w.label()} ...", flush=True)
                 times, diffs = run_point(w, impls, args.repeats, args.warmup, not args.warm, rng)
@@ -460,7 +551,8 @@ def main(argv: list[str] | None = None) -> None:
         "# Decode attention kernel benchmark (one layer, one step)",
         "",
         f"Machine: {env['cores']} cores, ours on `{env['cpu_isa']}`, torch {env['torch']} with {env['threads']} "
-        f"threads; measured read bandwidth {env['read_bandwidth_GBps']} GB/s, fp32 matmul "
+        f"threads; clock: {'wall' if args.clock == 'wall' else 'CPU time of the (single) calling thread'}; "
+        f"measured read bandwidth {env['read_bandwidth_GBps']} GB/s, fp32 matmul "
         f"{env['fp32_matmul_GFLOPs']} GFLOP/s; load average at start {env['loadavg_start'][0]:.1f}, at end "
         f"{env['loadavg_end'][0]:.1f}; cache {'flushed' if env['flush_cache'] else 'warm'} before each timed call; "
         f"median of {args.repeats} (dense baselines: {min(args.repeats, DENSE_MAX_REPEATS)}).",
@@ -472,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for (grid, dtype), rows in rows_by_table.items():
         sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, impls)]
+    if prefill_rows:
+        sections += ["", "## prefill (causal, paged): chunkattn::paged_prefill vs vLLM's CPU kernel", "",
+                     "n_c in results.json = new tokens per request, n_p = seq_len.", "", prefill_table(prefill_rows)]
     text = "\n".join(sections) + "\n"
     print("\n" + text, flush=True)
     (out_dir / "table.md").write_text(text)
