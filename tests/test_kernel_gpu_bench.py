@@ -89,3 +89,20 @@ def test_refuses_to_run_without_a_gpu(capsys):
         return
     assert kg.main(["--grids", "table3", "--quick"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cpu_bench_command_has_a_gpu_mode(capsys):
+    """`python -m vllm_chunkattn.bench.kernel --device cuda` is the GPU benchmark on
+    the same grids; here (no GPU) it refuses with a reason, as do CPU-only options."""
+    import pytest
+
+    from vllm_chunkattn.bench import kernel
+
+    for argv, reason in [
+        (["--device", "cuda", "--grid", "prefill"], "grid 'prefill' is CPU-only"),
+        (["--device", "cuda", "--dtype", "fp32"], "dtype 'fp32' is not supported by the CUDA kernels"),
+    ] + ([] if torch.cuda.is_available() else [(["--device", "cuda", "--quick"], "no CUDA device")]):
+        with pytest.raises(SystemExit) as exit_info:
+            kernel.main(argv)
+        assert exit_info.value.code == 2
+        assert reason in capsys.readouterr().err

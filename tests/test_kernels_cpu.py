@@ -41,7 +41,7 @@ SETTINGS = settings(
 
 def _supported_isas() -> list[str]:
     isas = []
-    for isa in ("avx512", "avx2", "scalar"):
+    for isa in ("avx512bf16", "avx512", "avx2", "scalar"):
         with _isa(isa):
             try:
                 torch.ops.chunkattn.cpu_isa()

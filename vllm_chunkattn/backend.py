@@ -308,29 +308,19 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             # step's values on replay.
             if tree is not None:
                 tree = self.device_tree.load(tree, num_decodes)
-            qsl = cm.query_start_loc[num_decodes : num_reqs + 1]
-            return ChunkAttentionMetadata(
-                num_actual_tokens=cm.num_actual_tokens,
-                slot_mapping=cm.slot_mapping,
-                num_decodes=num_decodes,
-                num_decode_tokens=num_decode_tokens,
-                decode_block_table=decode_block_table,
-                decode_seq_lens=cm.seq_lens[:num_decodes],
-                tree=tree,
-                prefill_query_start_loc=(qsl - qsl[:1]).to(torch.int32),
-                prefill_seq_lens=cm.seq_lens[num_decodes:num_reqs],
-                prefill_block_table=block_table[num_decodes:],
-            )
-        qsl = cm.query_start_loc_cpu[num_decodes : num_reqs + 1]
+            seq_lens, query_start_loc = cm.seq_lens[:num_reqs], cm.query_start_loc
+        else:
+            query_start_loc = cm.query_start_loc_cpu
+        qsl = query_start_loc[num_decodes : num_reqs + 1]
         return ChunkAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             decode_block_table=decode_block_table,
-            decode_seq_lens=decode_seq_lens,
+            decode_seq_lens=seq_lens[:num_decodes],
             tree=tree,
-            prefill_query_start_loc=(qsl - qsl[0]).to(torch.int32),
+            prefill_query_start_loc=(qsl - qsl[:1]).to(torch.int32),
             prefill_seq_lens=seq_lens[num_decodes:],
             prefill_block_table=block_table[num_decodes:],
         )

@@ -1,5 +1,5 @@
 // Run-time choice of the tile implementation: the widest ISA the CPU has,
-// unless CHUNKATTN_CPU_ISA (avx512|avx2|scalar) names another (tests use it to
+// unless CHUNKATTN_CPU_ISA (avx512bf16|avx512|avx2|scalar) names another (tests use it to
 // cover every build on one machine).
 #include <torch/all.h>
 
@@ -10,17 +10,21 @@
 
 namespace chunkattn::cpu {
 
+const KernelTable* avx512bf16_table(c10::ScalarType, int64_t);
 const KernelTable* avx512_table(c10::ScalarType, int64_t);
 const KernelTable* avx2_table(c10::ScalarType, int64_t);
 const KernelTable* scalar_table(c10::ScalarType, int64_t);
 
 namespace {
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 
 Isa best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512bf16"))
+    return Isa::kAvx512Bf16;
   if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return Isa::kAvx2;
@@ -34,10 +38,11 @@ Isa current_isa() {
   const char* forced = std::getenv("CHUNKATTN_CPU_ISA");
   if (forced == nullptr || *forced == '\0') return best;
   Isa want;
-  if (std::strcmp(forced, "avx512") == 0) want = Isa::kAvx512;
+  if (std::strcmp(forced, "avx512bf16") == 0) want = Isa::kAvx512Bf16;
+  else if (std::strcmp(forced, "avx512") == 0) want = Isa::kAvx512;
   else if (std::strcmp(forced, "avx2") == 0) want = Isa::kAvx2;
   else if (std::strcmp(forced, "scalar") == 0) want = Isa::kScalar;
-  else TORCH_CHECK(false, "CHUNKATTN_CPU_ISA must be avx512, avx2 or scalar, got '", forced, "'");
+  else TORCH_CHECK(false, "CHUNKATTN_CPU_ISA must be avx512bf16, avx512, avx2 or scalar, got '", forced, "'");
   TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "CHUNKATTN_CPU_ISA=", forced,
               " is not supported by this CPU");
   return want;
@@ -49,6 +54,7 @@ const char* supported_head_sizes() { return CHUNKATTN_HEAD_SIZES_STR; }
 
 const char* active_isa() {
   switch (current_isa()) {
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "scalar";
@@ -60,6 +66,7 @@ const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size) {
               "chunkattn: KV cache dtype must be float32, float16 or bfloat16, got ", kv_dtype);
   const KernelTable* table = nullptr;
   switch (current_isa()) {
+    case Isa::kAvx512Bf16: table = avx512bf16_table(kv_dtype, head_size); break;
     case Isa::kAvx512: table = avx512_table(kv_dtype, head_size); break;
     case Isa::kAvx2: table = avx2_table(kv_dtype, head_size); break;
     default: table = scalar_table(kv_dtype, head_size); break;

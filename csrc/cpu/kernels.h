@@ -41,6 +41,9 @@ struct AttnJob {
   // walks each chunk's heads back to back, which in the cache are adjacent
   // tiles of one block: long sequential reads instead of one tile per block.
   int num_heads = 1;
+  // The softmax scale q was multiplied by. Tiles that round q to bf16 divide
+  // it out first, which gives back a bf16 model's query exactly.
+  float q_scale = 1.f;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);
@@ -60,7 +63,7 @@ struct KernelTable {
 };
 
 // Kernels for the KV dtype and head size on the best ISA of this CPU, or the
-// one named by the CHUNKATTN_CPU_ISA environment variable (avx512|avx2|scalar).
+// one named by the CHUNKATTN_CPU_ISA environment variable (avx512bf16|avx512|avx2|scalar).
 // Throws (TORCH_CHECK) for an unsupported head size or dtype.
 const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size);
 

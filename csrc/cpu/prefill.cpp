@@ -118,6 +118,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     }
     AttnJob job{q, static_cast<int>(rows), table + it.req * table_stride, static_cast<int>(ctx + it.t1), it.head,
                 q_pos, o, m, n};
+    job.q_scale = scale;
     (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = it.t0 + r / group, g = r % group;

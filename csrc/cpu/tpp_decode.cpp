@@ -199,6 +199,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     AttnJob job{q, static_cast<int>(M), table + ord[nb[k]] * table_stride + c0,
                 static_cast<int>((c1 - c0) * block_size), h, nullptr,
                 part_o + row0 * D, part_m + row0, part_n + row0};
+    job.q_scale = scale;
     (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
     pending[k].fetch_sub(1, std::memory_order_release);
   };
@@ -236,7 +237,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     const int num_private = static_cast<int>(lens[b] - shared);
     if (num_private > 0) {
       AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
-                  static_cast<int>(nh)};
+                  static_cast<int>(nh), scale};
       (seq_direct ? kern.direct : kern.lanes)(kv, job);
     } else {
       std::fill(o, o + rows * D, 0.f);

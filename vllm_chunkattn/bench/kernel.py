@@ -465,6 +465,32 @@ def plot_table3(rows: list[dict], impls: list[str], path: Path) -> None:
     print(f"wrote {path}", flush=True)
 
 
+# The GPU benchmark's names for this module's grids and dtypes.
+GPU_GRIDS = {"table3": ["table3"], "fig3": ["figure3"], "fig4": ["figure4"], "tree": ["multilevel"],
+             "all": ["table3", "figure3", "figure4", "multilevel"]}
+GPU_DTYPES = {"bf16": ["bfloat16"], "both": ["float16", "bfloat16"]}
+
+
+def run_on_gpu(args: argparse.Namespace) -> int:
+    """`--device cuda`: the same grids through vllm_chunkattn.bench.kernel_gpu, one run per dtype."""
+    if args.grid not in GPU_GRIDS:
+        print(f"--device cuda: grid {args.grid!r} is CPU-only (GPU grids: {', '.join(GPU_GRIDS)})", file=sys.stderr)
+        return 2
+    if args.dtype not in GPU_DTYPES:
+        print(f"--device cuda: dtype {args.dtype!r} is not supported by the CUDA kernels (use bf16, or both for "
+              f"fp16 and bf16)", file=sys.stderr)
+        return 2
+    from vllm_chunkattn.bench import kernel_gpu
+
+    for dtype in GPU_DTYPES[args.dtype]:
+        gpu_argv = ["--grids", *GPU_GRIDS[args.grid], "--dtype", dtype, "--out", str(Path(args.out) / f"gpu_{dtype}")]
+        gpu_argv += ["--quick"] if args.quick else []
+        code = kernel_gpu.main(gpu_argv)
+        if code:
+            return code
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", default="all", choices=["table3", "fig3", "fig4", "tree", "prefill", "all"])
@@ -476,8 +502,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="wall: wall-clock, torch's threads; cpu: one thread, its CPU time (robust to other load)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the GPU kernels on the same grids (vllm_chunkattn.bench.kernel_gpu)")
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        sys.exit(run_on_gpu(args))
 
     impls = [i for i in IMPLS if i in args.impls.split(",")]
     global _CLOCK
