@@ -82,7 +82,9 @@ def build_prefix_tree(table: np.ndarray) -> PrefixTreeContext:
 
     nodes: list[tuple[int, int, int, int]] = []  # (begin, end, chunk_begin, chunk_end)
     open_nodes: dict[tuple[int, int], int] = {}  # (begin, end) -> chunk_begin
-    for p in range(depth + 1):
+    # The groups sharing chunk p change only where p reaches an lcp value, so
+    # only those depths are visited (not every chunk of a long shared prefix).
+    for p in sorted({0, depth, *lcp.tolist()}):
         if p < depth:
             bounds = [0, *(np.flatnonzero(lcp <= p) + 1).tolist(), num_rows]
             groups = {(b, e) for b, e in zip(bounds[:-1], bounds[1:]) if e - b >= 2}
