@@ -36,7 +36,7 @@ using cpu::KvView;
 // Query rows (tokens x G) per item: enough rows that each K/V element loaded
 // serves several lane vectors and the context is re-read few times, few
 // enough that short prompts still spread over the threads.
-constexpr int64_t kTileRows = 128;
+constexpr int64_t kTileRows = 64;
 
 std::vector<int64_t> to_int64(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
