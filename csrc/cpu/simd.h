@@ -249,7 +249,7 @@ struct Avx512 {
 
 // ---------------------------------------------------------------------------
 // AVX-512 plus AVX512_BF16 (Zen 4, Sapphire Rapids and later): the same
-// float operations, and bf16 pair dot products for the bf16 lanes tiles.
+// float operations, and bf16 pair dot products for the bf16 lanes tiles' S^T.
 // vdpbf16ps adds two bf16 products per fp32 lane, twice the multiply-adds per
 // instruction of an fp32 FMA. A "pair" is one 32-bit word holding two bf16
 // values, the lower-addressed one in the low half.
@@ -269,30 +269,6 @@ struct Avx512Bf16 : Avx512 {
   // acc[i] += a.lo[i] * b.lo[i] + a.hi[i] * b.hi[i]
   static inline reg dot_pairs(reg acc, pairs a, pairs b) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-  }
-  // Pairs (lo[i], hi[i]) of two float vectors, rounded to nearest even.
-  static inline pairs round_pairs(reg lo, reg hi) {
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // words: lo[0..W), hi[0..W)
-    return _mm512_permutexvar_epi16(index(kSplitHalves), both);
-  }
-  // Pairs (a[i], b[i]) of 2W bf16 values each: 2W pairs in two registers.
-  static inline void interleave(const c10::BFloat16* a, const c10::BFloat16* b, pairs& first, pairs& second) {
-    const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
-    first = _mm512_permutex2var_epi16(x, index(kTwoSources), y);
-    second = _mm512_permutex2var_epi16(x, index(kTwoSourcesHigh), y);
-  }
-  static inline void store_pairs(uint32_t* p, pairs x) { _mm512_storeu_si512(p, x); }
-
- private:
-  // vpermw / vpermt2w word indices: word 2i <- source word lo(i), word 2i+1 <- hi(i).
-  enum Index { kSplitHalves, kTwoSources, kTwoSourcesHigh };
-  static inline __m512i index(Index which) {
-    alignas(64) static const uint16_t idx[3][32] = {
-        {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31},
-        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-    return _mm512_load_si512(idx[which]);
   }
 };
 #pragma GCC pop_options
