@@ -170,6 +170,16 @@ def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.full((b, h, d + pad), float("nan"), dtype=like.dtype)[..., :d]
 
 
+def assert_on_every_isa(op, like: torch.Tensor, pad: int, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Run `op(out)` on each SIMD build of the CPU kernels, into a NaN-filled
+    output shaped like `like` (rows strided by `pad`), and check each result."""
+    for isa in ISAS:
+        with _isa(isa):
+            out = _strided_out(like, pad)
+            op(out)
+        assert_close(out, ref, dtype, f"{what} [{isa}]")
+
+
 # ---------------------------------------------------------------------------
 # Decode
 
@@ -179,12 +189,9 @@ def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
 def test_tpp_decode_matches_reference(case):
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     ref = _decode_reference(case)
-    for isa in ISAS:
-        with _isa(isa):
-            out = _strided_out(case["query"], case["pad"])
-            ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
-                           case["scale"], out)
-        assert_close(out, ref, case["dtype"], f"tpp_decode[{isa}] nodes={ctx.num_nodes}")
+    assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                   case["seq_lens"], ctx, case["scale"], out),
+                        case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}")
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -219,12 +226,9 @@ def test_tpp_decode_one_big_shared_node(threads, num_kv_heads, group):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for isa in ISAS:
-            with _isa(isa):
-                out = torch.empty_like(case["query"])
-                ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
-                               case["scale"], out)
-            assert_close(out, ref, case["dtype"], f"tpp_decode[{isa}, {threads} threads]")
+        assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                       case["seq_lens"], ctx, case["scale"], out),
+                            case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
     finally:
         torch.set_num_threads(old)
 
@@ -236,12 +240,9 @@ def test_tpp_decode_all_context_shared():
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
     assert ctx.shared_chunks.tolist() == [3] * 4
     ref = _decode_reference(case)
-    for isa in ISAS:
-        with _isa(isa):
-            out = torch.empty_like(case["query"])
-            ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
-                           case["scale"], out)
-        assert_close(out, ref, case["dtype"], f"tpp_decode[{isa}]")
+    assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                   case["seq_lens"], ctx, case["scale"], out),
+                        case["query"], 0, ref, case["dtype"], "tpp_decode")
 
 
 def test_tpp_decode_rejects_unsupported_head_size():
@@ -281,12 +282,9 @@ def _prefill_reference(case):
 @given(case=prefill_cases())
 def test_paged_prefill_matches_reference(case):
     ref = _prefill_reference(case)
-    for isa in ISAS:
-        with _isa(isa):
-            out = _strided_out(case["query"], case["pad"])
-            ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"], case["seq_lens"],
-                              case["block_table"], case["scale"], out)
-        assert_close(out, ref, case["dtype"], f"paged_prefill[{isa}]")
+    assert_on_every_isa(lambda out: ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"],
+                                                      case["seq_lens"], case["block_table"], case["scale"], out),
+                        case["query"], case["pad"], ref, case["dtype"], "paged_prefill")
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -308,11 +306,8 @@ def test_paged_prefill_request_without_new_tokens():
     query = torch.randn(7, 4, 64, generator=gen)
     case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl, scale=0.125)
     ref = _prefill_reference(case)
-    for isa in ISAS:
-        with _isa(isa):
-            out = torch.empty_like(query)
-            ops.paged_prefill(query, kv, qsl, lens, table, 0.125, out)
-        assert_close(out, ref, torch.float32, f"paged_prefill[{isa}]")
+    assert_on_every_isa(lambda out: ops.paged_prefill(query, kv, qsl, lens, table, 0.125, out),
+                        query, 0, ref, torch.float32, "paged_prefill")
 
 
 def test_paged_prefill_int64_metadata_and_long_prompt():
@@ -328,11 +323,8 @@ def test_paged_prefill_int64_metadata_and_long_prompt():
     case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int64),
                 query_start_loc=qsl, scale=head_size**-0.5)
     ref = _prefill_reference(case)
-    for isa in ISAS:
-        with _isa(isa):
-            out = torch.empty_like(query)
-            ops.paged_prefill(query, kv, qsl, case["seq_lens"], table, case["scale"], out)
-        assert_close(out, ref, torch.float32, f"paged_prefill[{isa}]")
+    assert_on_every_isa(lambda out: ops.paged_prefill(query, kv, qsl, case["seq_lens"], table, case["scale"], out),
+                        query, 0, ref, torch.float32, "paged_prefill")
 
 
 # ---------------------------------------------------------------------------
