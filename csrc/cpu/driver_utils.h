@@ -11,6 +11,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace chunkattn::cpu {
 
 // Runs fn(i) for i in [0, num_items) on torch's intra-op pool, handing items
@@ -53,8 +57,39 @@ inline void load_scaled(const T* src, int64_t n, float scale, float* dst) {
 }
 
 template <typename T>
-inline void store_row(const float* src, int64_t n, T* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+inline void store_row(const float* src, int64_t n, T* dst, float scale = 1.f) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
+}
+
+// store_row for a row this op writes once and does not read back: for fp32
+// rows on 16-byte boundaries, streaming stores, which do not read the
+// destination lines into the caches first (a long prefill's output is far
+// larger than the caches). The caller issues stream_fence() before its writes
+// are consumed.
+template <typename T>
+inline void stream_row(const float* src, int64_t n, T* dst, float scale) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && n % 4 == 0) {
+      const __m128 s = _mm_set1_ps(scale);
+      for (int64_t i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_mul_ps(_mm_loadu_ps(src + i), s));
+      return;
+    }
+  }
+#endif
+  store_row(src, n, dst, scale);
+}
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+// Prefetch n elements from p into L2.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 inline void check_int32_vector(const torch::Tensor& t, const char* name) {

@@ -96,8 +96,21 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
   // Costliest (request, head) groups first, keeping each group's tiles together.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  cpu::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+  // The query rows of an item are scattered rows of a tensor far larger than
+  // the caches, so reading them stalls; each item prefetches those of the
+  // item its thread most likely takes next (threads take items in turn).
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t stride = std::max<int64_t>(1, at::get_num_threads());
+  auto query_row = [&](const Item& it, int64_t t, int64_t g) {
+    return q_data + (qsl[it.req] + t) * q_s0 + (it.head * group + g) * q_s1;
+  };
+  cpu::parallel_items(num_items, [&](int64_t idx) {
     const Item& it = items[idx];
+    if (idx + stride < num_items) {
+      const Item& next = items[idx + stride];
+      for (int64_t t = next.t0; t < next.t1; ++t)
+        for (int64_t g = 0; g < group; ++g) cpu::prefetch_row(query_row(next, t, g), D);
+    }
     const int64_t num_new = qsl[it.req + 1] - qsl[it.req];
     const int64_t ctx = lens[it.req] - num_new;
     const int64_t rows = (it.t1 - it.t0) * group;
@@ -109,10 +122,9 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     float* n = mn + rows;
     float* q_pos = mn + 2 * rows;
     for (int64_t t = it.t0; t < it.t1; ++t) {
-      const int64_t token = qsl[it.req] + t;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (t - it.t0) * group + g;
-        cpu::load_scaled(q_data + token * q_s0 + (it.head * group + g) * q_s1, D, scale, q + r * D);
+        cpu::load_scaled(query_row(it, t, g), D, scale, q + r * D);
         q_pos[r] = static_cast<float>(ctx + t);
       }
     }
@@ -122,11 +134,10 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = it.t0 + r / group, g = r % group;
-      const float inv = 1.f / n[r];  // every row sees at least key 0
-      float* orow = o + r * D;
-      for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
-      cpu::store_row(orow, D, out_data + (qsl[it.req] + t) * o_s0 + (it.head * group + g) * o_s1);
+      // Every row sees at least key 0, so n[r] > 0.
+      cpu::stream_row(o + r * D, D, out_data + (qsl[it.req] + t) * o_s0 + (it.head * group + g) * o_s1, 1.f / n[r]);
     }
+    cpu::stream_fence();
   });
 }
 

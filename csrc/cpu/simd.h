@@ -7,6 +7,7 @@
 //   reg      the float register type
 //   zero/set1/load/store, load(const T*) converting bf16/fp16 -> fp32,
 //   load_pairs (2W bf16 -> even-indexed and odd-indexed values as fp32),
+//   gather (strided load, for transposes),
 //   add/sub/mul/max/fma, hsum/hmax, exp, fill_gt (masking).
 //
 // Each struct is defined inside a `#pragma GCC target` region, so its member
@@ -79,6 +80,12 @@ struct Scalar {
     return r;
   }
   static inline void store(float* p, reg a) { std::memcpy(p, &a, sizeof(a)); }
+  // Lane i < count: p[i * stride]; lanes from count on: 0.
+  static inline reg gather(const float* p, int stride, int count = W) {
+    reg r = zero();
+    for (int i = 0; i < count && i < W; ++i) r[i] = p[i * stride];
+    return r;
+  }
   // 2W bf16 -> even elements, odd elements (see Avx512::load_pairs)
   static inline void load_pairs(const c10::BFloat16* p, reg& even, reg& odd) {
     for (int i = 0; i < W; ++i) {
@@ -133,6 +140,13 @@ struct Avx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static inline void store(float* p, reg a) { _mm256_storeu_ps(p, a); }
+  static inline reg gather(const float* p, int stride, int count = W) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i idx = _mm256_mullo_epi32(lane, _mm256_set1_epi32(stride));
+    if (count >= W) return _mm256_i32gather_ps(p, idx, 4);
+    const reg live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+    return _mm256_mask_i32gather_ps(zero(), p, idx, live, 4);
+  }
   static inline void load_pairs(const c10::BFloat16* p, reg& even, reg& odd) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -197,6 +211,12 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static inline void store(float* p, reg a) { _mm512_storeu_ps(p, a); }
+  static inline reg gather(const float* p, int stride, int count = W) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(stride));
+    if (count >= W) return _mm512_i32gather_ps(idx, p, 4);
+    return _mm512_mask_i32gather_ps(zero(), _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(count), lane), idx, p, 4);
+  }
   // 2W bf16 values as the fp32 of the even-indexed ones and of the odd-indexed
   // ones: a shift and a mask, where widening them in order takes a
   // lane-crossing shuffle per W values (2 cycles per zmm on Zen 4).
