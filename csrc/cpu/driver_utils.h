@@ -38,6 +38,28 @@ void parallel_items(int64_t num_items, const F& fn) {
   });
 }
 
+// parallel_items, where each thread claims its next item before it runs the
+// current one: fn(i, next) knows the item it runs after i (next = -1 for its
+// last), so it can prefetch that item's inputs while computing this one.
+template <class F>
+void parallel_items_with_next(int64_t num_items, const F& fn) {
+  if (num_items <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < num_items; ++i) fn(i, i + 1 < num_items ? i + 1 : -1);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    while (i < num_items) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      fn(i, after < num_items ? after : -1);
+      i = after;
+    }
+  });
+}
+
 // Per-thread float buffers for the drivers, grown on demand, kept across calls.
 struct DriverScratch {
   std::vector<float> buf[6];

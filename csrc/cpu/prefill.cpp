@@ -98,16 +98,14 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
 
   // The query rows of an item are scattered rows of a tensor far larger than
   // the caches, so reading them stalls; each item prefetches those of the
-  // item its thread most likely takes next (threads take items in turn).
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t stride = std::max<int64_t>(1, at::get_num_threads());
+  // item its thread runs next.
   auto query_row = [&](const Item& it, int64_t t, int64_t g) {
     return q_data + (qsl[it.req] + t) * q_s0 + (it.head * group + g) * q_s1;
   };
-  cpu::parallel_items(num_items, [&](int64_t idx) {
+  cpu::parallel_items_with_next(static_cast<int64_t>(items.size()), [&](int64_t idx, int64_t next_idx) {
     const Item& it = items[idx];
-    if (idx + stride < num_items) {
-      const Item& next = items[idx + stride];
+    if (next_idx >= 0) {
+      const Item& next = items[next_idx];
       for (int64_t t = next.t0; t < next.t1; ++t)
         for (int64_t g = 0; g < group; ++g) cpu::prefetch_row(query_row(next, t, g), D);
     }
