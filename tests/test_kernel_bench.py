@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
+
+import numpy as np
 
 RECORD_FIELDS = {"impl", "n_p", "n_s", "batch", "heads", "head_dim", "chunk", "median_ms", "min_ms", "max_ms"}
 
@@ -25,3 +28,21 @@ def test_kernel_benchmark_quick(tmp_path):
         assert RECORD_FIELDS <= record.keys()
         assert 0 < record["min_ms"] <= record["median_ms"] <= record["max_ms"]
     assert (tmp_path / "table3.png").stat().st_size > 1000
+
+
+def test_serve_grid_is_the_serving_benchmarks_decode_shape():
+    """`--grid serve`: 32 requests; prefix_repetition-2048 as 4 groups of 8 sharing 2048 tokens, the tree as one
+    1024-token prompt shared by all under 4 groups of 8 sharing 1024 more; 192 private tokens each."""
+    from vllm_chunkattn.bench.kernel import block_tables, grid_points
+
+    prefix, tree = grid_points("serve", "fp32", quick=False)
+    for w in (prefix, tree):
+        assert (w.batch, w.heads, w.head_dim, w.chunk, w.context) == (32, 16, 128, 64, 2240)
+        table, num_blocks = block_tables(w, True, np.random.default_rng(0))
+        rows = [tuple(r) for r in table.tolist()]
+        # 2048 shared tokens = 32 blocks, each group of 8 requests with its own; 3 private blocks per request.
+        assert sorted(Counter(r[:32] for r in rows).values()) == [8, 8, 8, 8]
+        assert len({b for r in rows for b in r[32:]}) == 32 * 3
+        system = {r[:16] for r in rows}
+        assert len(system) == (4 if w is prefix else 1)
+        assert num_blocks == (4 * 32 if w is prefix else 16 + 4 * 16) + 32 * 3

@@ -27,6 +27,11 @@ Grids:
     fig4    Figure 4: batch 8..96 with n_p = 2048, n_s = 2048 and n_s = 1024
     tree    a two-level tree: 1024-token system prompt shared by 32 requests,
             4 groups of 8 sharing 512 more tokens, 256 private tokens each
+    serve   the decode steps of the serving benchmark (bench.serve) at max
+            concurrency 32, on its model's attention (16 heads of 128, MHA):
+            prefix_repetition-2048 (4 prompts of 2048 tokens, 8 requests each)
+            and the tree (1024-token system prompt + 4 documents of 1024),
+            192 private tokens per request (suffix and output so far)
     prefill chunkattn::paged_prefill vs vLLM's CPU kernel on causal prefill:
             8 requests x 512 new tokens after 512 cached ones (context 1024),
             and 8 x 512 new tokens from scratch; 32 heads, d 128, chunk 64
@@ -123,6 +128,11 @@ def grid_points(grid: str, dtype: str, quick: bool) -> list[Workload]:
         system, group_tokens, private, group, batch = (64, 32, 16, 2, 4) if quick else (1024, 512, 256, 8, 32)
         points.append(Workload(grid, batch, [(system, batch), (group_tokens, group), (private, 1)],
                                system + group_tokens + private, system + group_tokens, 0, h, d, c, dtype))
+    elif grid == "serve":
+        heads, shared, private = (4, 128, 16) if quick else (16, 2048, 192)
+        points.append(Workload(grid, 32, [(shared, 8), (private, 1)], shared + private, shared, 0, heads, d, c, dtype))
+        points.append(Workload(grid, 32, [(shared // 2, 32), (shared // 2, 8), (private, 1)], shared + private, shared,
+                               0, heads, d, c, dtype))
     else:
         raise ValueError(grid)
     return points
@@ -411,13 +421,14 @@ def fmt(x: float | None, digits: int = 2) -> str:
 
 def markdown_table(rows: list[dict], impls: list[str]) -> str:
     """One table of a grid and dtype; rows are dicts made by main()."""
-    head = ["n_p", "n_s", "n_c", "batch"] + [f"{i} ms" for i in impls] + ["roofline ms"]
+    head = ["n_p", "n_s", "n_c", "batch", "tokens:requests sharing them"] + [f"{i} ms" for i in impls] + ["roofline ms"]
     ratios = [f"{i}/ours" for i in impls if i != "ours"]
     head += ratios + ["ours/roofline", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)", "max|Δ| vs ours"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ours = r["median"].get("ours")
-        cells = [str(r["w"].n_p), str(r["w"].n_s), str(r["w"].n_c), str(r["w"].batch)]
+        cells = [str(r["w"].n_p), str(r["w"].n_s), str(r["w"].n_c), str(r["w"].batch),
+                 " + ".join(f"{tokens}:{group}" for tokens, group in r["w"].segments)]
         cells += [fmt(r["median"].get(i)) for i in impls] + [fmt(r["roofline"])]
         for i in impls:
             if i == "ours":
@@ -493,7 +504,7 @@ def run_on_gpu(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", default="all", choices=["table3", "fig3", "fig4", "tree", "prefill", "all"])
+    parser.add_argument("--grid", default="all", choices=["table3", "fig3", "fig4", "tree", "serve", "prefill", "all"])
     parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "both"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -519,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         print("vLLM is not importable: skipping PagedAttn and PagedAttn*", flush=True)
         impls = [i for i in impls if not i.startswith("PagedAttn")]
-    grids = ["table3", "fig3", "fig4", "tree", "prefill"] if args.grid == "all" else [args.grid]
+    grids = ["table3", "fig3", "fig4", "tree", "serve", "prefill"] if args.grid == "all" else [args.grid]
     if "prefill" in grids and not any(i.startswith("PagedAttn") for i in impls):
         grids.remove("prefill")  # needs vLLM
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
