@@ -18,7 +18,9 @@
 // causal mask only on chunks that cross the diagonal). Items are handed out on
 // torch's intra-op pool, costliest (longest context) requests first, the tiles
 // of one (request, kv head) one after the other so its context is read from
-// DRAM about once.
+// DRAM about once. A thread claims its next item before running the current
+// one and prefetches that item's query rows; a tile skips the keys past the
+// causal limit of each of its lane vectors.
 #include <ATen/Dispatch.h>
 
 #include "chunkattn.h"
