@@ -41,6 +41,9 @@ void parallel_items(int64_t num_items, const F& fn) {
 // parallel_items, where each thread claims its next item before it runs the
 // current one: fn(i, next) knows the item it runs after i (next = -1 for its
 // last), so it can prefetch that item's inputs while computing this one.
+// Only for items that never wait on other items: a claimed item does not
+// start until its thread finishes the current one (tpp_decode's phase-2
+// items wait for phase-1 items, so it uses parallel_items).
 template <class F>
 void parallel_items_with_next(int64_t num_items, const F& fn) {
   if (num_items <= 0) return;
@@ -105,13 +108,6 @@ inline void stream_fence() {
 #if defined(__x86_64__)
   _mm_sfence();
 #endif
-}
-
-// Prefetch n elements from p into L2.
-template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 inline void check_int32_vector(const torch::Tensor& t, const char* name) {

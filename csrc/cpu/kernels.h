@@ -73,4 +73,12 @@ const char* supported_head_sizes();
 // Name of the ISA select_kernels would use now.
 const char* active_isa();
 
+// Prefetches [p, p + bytes) into L2, for the tiles (the next K/V tile) and the
+// drivers (the next item's query rows). L2, not L1: an fp32 tile is larger
+// than L1, and prefetching it there evicts the tile being computed.
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 }  // namespace chunkattn::cpu

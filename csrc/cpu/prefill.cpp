@@ -109,7 +109,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     if (next_idx >= 0) {
       const Item& next = items[next_idx];
       for (int64_t t = next.t0; t < next.t1; ++t)
-        for (int64_t g = 0; g < group; ++g) cpu::prefetch_row(query_row(next, t, g), D);
+        for (int64_t g = 0; g < group; ++g) cpu::prefetch_l2(query_row(next, t, g), D * sizeof(qscalar_t));
     }
     const int64_t num_new = qsl[it.req + 1] - qsl[it.req];
     const int64_t ctx = lens[it.req] - num_new;
