@@ -3,18 +3,30 @@
 The CPU extension (csrc/cpu) is always built. The CUDA extension (csrc/cuda)
 is built only when the installed torch has CUDA and nvcc is available; with a
 CPU torch it is skipped with a message, so `pip install` works on both kinds
-of host. CUDA architectures: TORCH_CUDA_ARCH_LIST, default "8.0 8.6 8.9 9.0"
-(A100, A10/A40/RTX 30xx, L4/L40/RTX 40xx, H100/H200). Set
+of host. CUDA architectures: TORCH_CUDA_ARCH_LIST, default "8.0 8.6 8.9
+9.0+PTX" (A100, A10/A40/RTX 30xx, L4/L40/RTX 40xx, H100/H200, PTX for newer
+GPUs); entries older than 8.0 are dropped with a message. Set
 VLLM_CHUNKATTN_SKIP_CUDA=1 to build the CPU kernels only. See docs/cuda.md.
 """
 
 import glob
 import os
+import sys
 
 from setuptools import setup
-from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+from vllm_chunkattn import cuda_toolkit  # noqa: E402  (standard library only)
+
+# Before torch reads it: torch's own guess (the folder above nvcc) is wrong
+# where nvcc is a wrapper script (vllm_chunkattn/cuda_toolkit.py).
+if not os.environ.get("CUDA_HOME"):
+    _cuda_home = cuda_toolkit.find_cuda_home()
+    if _cuda_home:
+        os.environ["CUDA_HOME"] = str(_cuda_home)
+
+from torch.utils import cpp_extension  # noqa: E402
 
 
 def _sources(pattern: str) -> list[str]:
@@ -39,8 +51,12 @@ def _extensions():
 
     cuda_sources = _sources("csrc/cuda/*.cu")
     skip = os.environ.get("VLLM_CHUNKATTN_SKIP_CUDA", "0") not in ("", "0")
-    if cuda_sources and not skip and torch.version.cuda and cpp_extension.CUDA_HOME:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0 8.6 8.9 9.0")
+    archs, dropped = cuda_toolkit.cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    if cuda_sources and not skip and torch.version.cuda and cpp_extension.CUDA_HOME and archs:
+        if dropped:
+            print(f"vllm-chunkattn: leaving {' '.join(dropped)} out of TORCH_CUDA_ARCH_LIST (the CUDA kernels "
+                  f"need compute capability 8.0 or newer); building them for {archs}")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         exts.append(
             cpp_extension.CUDAExtension(
                 name="vllm_chunkattn._C_cuda",
@@ -57,8 +73,11 @@ def _extensions():
             why = "VLLM_CHUNKATTN_SKIP_CUDA is set"
         elif not torch.version.cuda:
             why = f"torch {torch.__version__} has no CUDA"
-        else:
+        elif not cpp_extension.CUDA_HOME:
             why = "nvcc / CUDA_HOME not found"
+        else:
+            why = (f"TORCH_CUDA_ARCH_LIST names no architecture the kernels support ({' '.join(dropped)}; "
+                   "they need 8.0 or newer)")
         print(f"vllm-chunkattn: {why}; building the CPU kernels only (no vllm_chunkattn._C_cuda)")
     return exts
 

@@ -36,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
+sys.path.insert(0, str(ROOT))
+from vllm_chunkattn.cuda_toolkit import cuda_include_dir, find_nvcc  # noqa: E402
 
 # Dynamic shared memory of the attention kernels, SmemLayout<D>::kBytes in
 # csrc/cuda/attention.cuh: max(main loop buffers, epilogue buffers).
@@ -48,31 +50,6 @@ def dynamic_smem_bytes(head_size: int) -> int:
     main = (64 * ld + stages * 2 * kv_tile * ld) * 2
     epilogue = (4 * 16 * (head_size + 4) + 2 * 4 * 16) * 4
     return max(main, epilogue)
-
-
-def find_nvcc() -> str | None:
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if home and (Path(home) / "bin" / "nvcc").exists():
-            return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def cuda_include_dir(nvcc: str) -> Path | None:
-    """The CUDA toolkit's include folder (cuda_runtime.h), for the host check."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
-                  str(Path(os.path.realpath(nvcc)).parents[1])]
-    try:  # nvcc may be a wrapper script: ask it where its toolkit is
-        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", "/dev/null"], capture_output=True, text=True)
-        m = re.search(r"TOP=(\S+)", out.stderr + out.stdout)
-        if m:
-            candidates.insert(0, m.group(1))
-    except OSError:
-        pass
-    candidates += ["/usr/local/cuda", *sorted(str(p) for p in Path("/usr/local").glob("cuda-*"))]
-    for c in candidates:
-        if c and (Path(c) / "include" / "cuda_runtime.h").exists():
-            return Path(c) / "include"
-    return None
 
 
 def torch_flags() -> tuple[list[str], list[str]]:
@@ -163,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     build.mkdir(parents=True, exist_ok=True)
     torch_includes, nvcc_torch_flags = torch_flags()
     shim = shim_dir(build, torch_includes)
-    cuda_include = cuda_include_dir(nvcc)
+    cuda_include = cuda_include_dir()
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in args.archs]
     defines = ["-DTORCH_EXTENSION_NAME=_C_cuda"] + (["-DCHUNKATTN_CI_MINIMAL"] if args.minimal else [])
 

@@ -27,19 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from vllm_chunkattn.cuda_toolkit import cuda_include_dir  # noqa: E402
 SOURCES = ["kv_cache.cu", "tpp_decode.cu", "prefill.cu"]
-
-
-def cuda_include_dir() -> Path | None:
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(os.path.realpath(nvcc)).parents[1]))
-    candidates += sorted(str(p) for p in Path("/usr/local").glob("cuda-*"))
-    for c in candidates:
-        if c and (Path(c) / "include" / "cuda_fp16.h").exists():
-            return Path(c) / "include"
-    return None
 
 
 def missing_reason() -> str | None:
