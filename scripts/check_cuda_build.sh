@@ -38,7 +38,7 @@ echo "== pip install --no-build-isolation -e .[cuda,test]"
 started=$(date +%s)
 (cd "$SRC" && "$VENV/bin/python" -m pip install --isolated --no-build-isolation --no-deps -v -e ".[cuda,test]" \
   >"$WORK/install.log" 2>&1) || { tail -40 "$WORK/install.log"; echo "build FAILED (log: $WORK/install.log)"; exit 1; }
-grep -h "vllm-chunkattn:" "$WORK/install.log" | sort -u || true
+grep -hE "^\s*vllm-chunkattn: " "$WORK/install.log" | sort -u || true
 echo "built in $(( $(date +%s) - started )) s"
 
 echo "== load"
