@@ -19,9 +19,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 from vllm_chunkattn import cuda_toolkit  # noqa: E402  (standard library only)
 
-# Before torch reads it: torch's own guess (the folder above nvcc) is wrong
-# where nvcc is a wrapper script (vllm_chunkattn/cuda_toolkit.py).
-if not os.environ.get("CUDA_HOME"):
+import torch  # noqa: E402
+
+# Before cpp_extension reads it, and only where the CUDA build can happen:
+# torch's own guess (the folder above nvcc) is wrong where nvcc is a wrapper
+# script (vllm_chunkattn/cuda_toolkit.py).
+if torch.version.cuda and not os.environ.get("CUDA_HOME"):
     _cuda_home = cuda_toolkit.find_cuda_home()
     if _cuda_home:
         os.environ["CUDA_HOME"] = str(_cuda_home)
@@ -47,8 +50,6 @@ def _extensions():
             extra_link_args=["-fopenmp"],
         )
     ]
-    import torch
-
     cuda_sources = _sources("csrc/cuda/*.cu")
     skip = os.environ.get("VLLM_CHUNKATTN_SKIP_CUDA", "0") not in ("", "0")
     archs, dropped = cuda_toolkit.cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))

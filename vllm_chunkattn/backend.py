@@ -41,6 +41,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_chunkattn import BACKEND_NAME, ops
+from vllm_chunkattn.cuda_toolkit import MIN_COMPUTE_CAPABILITY
 from vllm_chunkattn.device_context import DeviceTreeBuffers
 from vllm_chunkattn.tree import PrefixTreeCache, PrefixTreeContext
 
@@ -49,10 +50,10 @@ logger = init_logger("vllm.chunkattn.backend")  # in vLLM's hierarchy, see plugi
 SUPPORTED_HEAD_SIZES = [64, 128, 256]
 SUPPORTED_BLOCK_SIZES = [32, 64, 128]
 SUPPORTED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# The CUDA kernels (csrc/cuda): tensor-core MMA in float16/bfloat16 from sm_80 on.
+# The CUDA kernels (csrc/cuda): tensor-core MMA in float16/bfloat16 from sm_80 on
+# (MIN_COMPUTE_CAPABILITY, shared with the build).
 CUDA_BLOCK_SIZES = [16, 32, 64, 128]
 CUDA_DTYPES = [torch.float16, torch.bfloat16]
-CUDA_MIN_CAPABILITY = (8, 0)
 # Capacity of the device tree context per decode request slot: partial-result
 # rows (sum over shared nodes of the requests each covers). A deeper tree is
 # cut to its top levels (device_context.fit_context), which stays exact.
@@ -130,10 +131,10 @@ class ChunkAttentionBackend(AttentionBackend):
             reasons.append(f"block size {block_size} (supported: {_names(block_sizes)})")
         if cuda:
             capability = config.get("device_capability")
-            if capability is not None and (capability.major, capability.minor) < CUDA_MIN_CAPABILITY:
+            if capability is not None and (capability.major, capability.minor) < MIN_COMPUTE_CAPABILITY:
                 reasons.append(
                     f"compute capability {capability.major}.{capability.minor} (supported: "
-                    f"{CUDA_MIN_CAPABILITY[0]}.{CUDA_MIN_CAPABILITY[1]} and newer, e.g. A100, L4, H100)"
+                    f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} and newer, e.g. A100, L4, H100)"
                 )
             if not ops.cuda_kernels_available():
                 reasons.append(

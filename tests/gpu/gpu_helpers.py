@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_chunkattn.cuda_toolkit import MIN_COMPUTE_CAPABILITY
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: compare.py
 
 
@@ -18,7 +20,7 @@ def _no_gpu_reason() -> str | None:
             "a CPU emulator (tests/test_cuda_emulated.py) here; run tests/gpu on a GPU host"
         )
     major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 0):
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
         return f"compute capability {major}.{minor}: the CUDA kernels need 8.0 or newer"
     return None
 
