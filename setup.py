@@ -17,7 +17,7 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
-from vllm_chunkattn import cuda_toolkit  # noqa: E402  (standard library only)
+from vllm_chunkattn.install import cuda_toolkit
 
 import torch  # noqa: E402
 

@@ -4,7 +4,7 @@ on the embedded model, and report what happened.
     bash scripts/demo.sh            (sets up first)
     python examples/shared_prefix_demo.py [--model DIR] [--concurrency N]
 
-The workload (vllm_chunkattn.workload) has one system prompt shared by every
+The workload (vllm_chunkattn.testing.workload) has one system prompt shared by every
 request, a document shared per group, and unique questions. The report shows
 each group's answers, the request timings, vLLM's prefix-cache hit rate and
 the backend's own log of how much decode KV it read once per batch.
@@ -20,9 +20,9 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from vllm_chunkattn.models import ensure_model
-from vllm_chunkattn.server import VllmServer
-from vllm_chunkattn.workload import shared_prefix_workload
+from vllm_chunkattn.testing.models import ensure_model
+from vllm_chunkattn.testing.server import VllmServer
+from vllm_chunkattn.testing.workload import shared_prefix_workload
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int) -> dict:

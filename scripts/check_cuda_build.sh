@@ -45,7 +45,7 @@ echo "== load"
 (cd "$SRC" && "$VENV/bin/python" - <<'EOF'
 import torch
 
-from vllm_chunkattn import ops
+from vllm_chunkattn.kernels import ops
 
 assert ops.cuda_kernels_available(), ops.CUDA_KERNELS_ERROR
 for op in ("write_kv_cache", "tpp_decode", "paged_prefill"):

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 sys.path.insert(0, str(ROOT))
-from vllm_chunkattn.cuda_toolkit import cuda_include_dir, find_nvcc  # noqa: E402
+from vllm_chunkattn.install.cuda_toolkit import cuda_include_dir, find_nvcc  # noqa: E402
 
 # Dynamic shared memory of the attention kernels, SmemLayout<D>::kBytes in
 # csrc/cuda/attention.cuh: max(main loop buffers, epilogue buffers).

@@ -41,8 +41,8 @@ if [ "${installed:-0}" != 1 ]; then
 fi
 
 log "patching vLLM (idempotent)"
-"$PY" -m vllm_chunkattn.patching apply
+"$PY" -m vllm_chunkattn.install.patching apply
 
 log "embedded test model"
-"$PY" -m vllm_chunkattn.models tiny >/dev/null
+"$PY" -m vllm_chunkattn.testing.models tiny >/dev/null
 log "ready: $(.venv/bin/vllm --version 2>/dev/null | tail -1) with vllm-chunkattn $("$PY" -c 'import vllm_chunkattn; print(vllm_chunkattn.__version__)')"

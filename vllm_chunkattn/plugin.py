@@ -15,7 +15,7 @@ import logging
 
 from vllm_chunkattn import BACKEND_NAME
 
-BACKEND_CLASS = "vllm_chunkattn.backend.ChunkAttentionBackend"
+BACKEND_CLASS = "vllm_chunkattn.backend.chunk_backend.ChunkAttentionBackend"
 
 # Under "vllm.": vLLM configures handlers for its own logger hierarchy only
 # (lazily, at engine start), so a logger outside it would print nothing at INFO.
@@ -57,5 +57,5 @@ def _warn_if_cpu_platform_unpatched() -> None:
         logger.warning(
             "vllm-chunkattn: the installed vLLM is not patched, so on CPU "
             "`--attention-backend chunk` would fall back to CPU_ATTN. Run "
-            "`python -m vllm_chunkattn.patching apply` once in this environment."
+            "`python -m vllm_chunkattn.install.patching apply` once in this environment."
         )

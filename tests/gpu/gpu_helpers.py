@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from vllm_chunkattn.cuda_toolkit import MIN_COMPUTE_CAPABILITY
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: compare.py
+from vllm_chunkattn.install.cuda_toolkit import MIN_COMPUTE_CAPABILITY
 
 
 def _no_gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return (
-            "no CUDA device: the CUDA kernels are compile-checked (tests/test_cuda_compile.py) and run on "
-            "a CPU emulator (tests/test_cuda_emulated.py) here; run tests/gpu on a GPU host"
+            "no CUDA device: the CUDA kernels are compile-checked (tests/cuda/test_cuda_compile.py) and run on "
+            "a CPU emulator (tests/cuda/test_cuda_emulated.py) here; run tests/gpu on a GPU host"
         )
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < MIN_COMPUTE_CAPABILITY:
@@ -35,7 +30,7 @@ TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 def require_cuda_kernels() -> None:
     """On a GPU host the CUDA build must be there: fail, never skip, without it."""
-    from vllm_chunkattn import ops
+    from vllm_chunkattn.kernels import ops
 
     assert ops.cuda_kernels_available(), (
         f"vllm_chunkattn._C_cuda is not importable ({ops.CUDA_KERNELS_ERROR}); build with a CUDA torch: "

@@ -1,4 +1,4 @@
-"""Runs the shared-prefix workload (vllm_chunkattn.workload) through one vLLM
+"""Runs the shared-prefix workload (vllm_chunkattn.testing.workload) through one vLLM
 engine on a GPU and writes tokens and top logprobs as JSON, for
 test_gpu_e2e.py. One engine per process:
 
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_chunkattn.models import ensure_model
-    from vllm_chunkattn.workload import shared_prefix_workload
+    from vllm_chunkattn.testing.models import ensure_model
+    from vllm_chunkattn.testing.workload import shared_prefix_workload
 
     requests = shared_prefix_workload(num_groups=4, per_group=6)
     started = time.perf_counter()

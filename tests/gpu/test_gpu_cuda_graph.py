@@ -9,10 +9,11 @@ import numpy as np
 import torch
 from gpu_helpers import TOL, requires_gpu
 
-from vllm_chunkattn import ops, reference
-from vllm_chunkattn.device_context import DeviceTreeBuffers
-from vllm_chunkattn.paged_cases import multi_level, random_forest, shared_prefix
-from vllm_chunkattn.tree import prefix_tree
+from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.testing import reference
+from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
+from vllm_chunkattn.testing.paged_cases import multi_level, random_forest, shared_prefix
+from vllm_chunkattn.prefix.tree import prefix_tree
 
 pytestmark = requires_gpu
 

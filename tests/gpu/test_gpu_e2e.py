@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from gpu_helpers import requires_gpu
 
-from compare import compare_runs
+from vllm_chunkattn.testing.compare import compare_runs
 
 pytestmark = [requires_gpu, pytest.mark.e2e]
 

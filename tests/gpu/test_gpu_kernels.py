@@ -16,9 +16,11 @@ import pytest
 import torch
 from gpu_helpers import TOL, requires_gpu
 
-from vllm_chunkattn import ops, reference, torch_kernels
-from vllm_chunkattn.device_context import DeviceTreeBuffers
-from vllm_chunkattn.paged_cases import (
+from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.testing import reference
+from vllm_chunkattn.kernels import torch_fallback
+from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
+from vllm_chunkattn.testing.paged_cases import (
     multi_level,
     num_blocks_needed,
     prefill_split,
@@ -26,7 +28,7 @@ from vllm_chunkattn.paged_cases import (
     random_kv_cache,
     shared_prefix,
 )
-from vllm_chunkattn.tree import prefix_tree
+from vllm_chunkattn.prefix.tree import prefix_tree
 
 pytestmark = requires_gpu
 
@@ -78,7 +80,7 @@ def test_decode_paper_shape(dtype, shared):
     ctx = prefix_tree(table, seq_lens, 64)
     out = torch.empty_like(query, device="cuda")
     ops.tpp_decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.0884, out)
-    expected = torch_kernels.tpp_decode(query.cuda().float(), kv.cuda().float(), table.cuda(), seq_lens.cuda(),
+    expected = torch_fallback.tpp_decode(query.cuda().float(), kv.cuda().float(), table.cuda(), seq_lens.cuda(),
                                         ctx, 0.0884)
     _check(out, expected.cpu(), dtype)
 
@@ -138,7 +140,7 @@ def test_prefill_long_prompt():
     query = torch.randn(int(new.sum()), 4, 128).to(torch.bfloat16)
     out = torch.empty_like(query, device="cuda")
     ops.paged_prefill(query.cuda(), kv.cuda(), qsl.cuda(), seq_lens.cuda(), table.cuda(), 0.0884, out)
-    expected = torch_kernels.paged_prefill(query.cuda().float(), kv.cuda().float(), qsl.tolist(), seq_lens.tolist(),
+    expected = torch_fallback.paged_prefill(query.cuda().float(), kv.cuda().float(), qsl.tolist(), seq_lens.tolist(),
                                            table.cuda(), 0.0884, torch.empty_like(query, dtype=torch.float32,
                                                                                    device="cuda"))
     _check(out, expected.cpu(), torch.bfloat16)

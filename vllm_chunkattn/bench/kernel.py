@@ -71,8 +71,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_chunkattn import ops, tree
-from vllm_chunkattn.reference import split_kv
+from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.prefix import tree
+from vllm_chunkattn.kernels.layout import split_kv
 
 IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -51,10 +51,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_chunkattn.device_context import DeviceTreeBuffers
-from vllm_chunkattn.tree import context_from_nodes
-from vllm_chunkattn.paged_cases import multi_level, num_blocks_needed, shared_prefix
-from vllm_chunkattn.tree import PrefixTreeContext, prefix_tree
+from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
+from vllm_chunkattn.prefix.tree import context_from_nodes
+from vllm_chunkattn.testing.paged_cases import multi_level, num_blocks_needed, shared_prefix
+from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 
 METHODS = ["chunk", "chunk_no_tree", "fa_shared", "fa_unshared", "flashinfer", "xformers", "sdpa"]
 
@@ -238,7 +238,7 @@ class Settings:
 
 def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, dict, dict]:
     """Callables per method (each writes / returns [B, H, D]), skip reasons, and setup facts."""
-    from vllm_chunkattn import ops
+    from vllm_chunkattn.kernels import ops
 
     dtype = getattr(torch, s.dtype)
     table, seq_lens = point_table(point, s.block_size)
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_gpu: no CUDA device; this benchmark needs a GPU (the CPU one is vllm_chunkattn.bench.kernel)",
               file=sys.stderr)
         return 2
-    from vllm_chunkattn import ops
+    from vllm_chunkattn.kernels import ops
 
     if not ops.cuda_kernels_available():
         print(f"kernel_gpu: vllm_chunkattn._C_cuda not built ({ops.CUDA_KERNELS_ERROR}); see docs/cuda.md",

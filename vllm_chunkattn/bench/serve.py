@@ -37,7 +37,7 @@ from vllm_chunkattn.bench import greedy_check
 from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
 from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
 from vllm_chunkattn.bench.workloads import Workload, workloads
-from vllm_chunkattn.server import ServerError, VllmServer
+from vllm_chunkattn.testing.server import ServerError, VllmServer
 
 SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
 
@@ -344,7 +344,7 @@ def _has_dist(name: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     progress = Progress()
-    from vllm_chunkattn.models import ensure_model
+    from vllm_chunkattn.testing.models import ensure_model
 
     model = args.model or ensure_model("tiny" if args.quick else "bench")
     available = workloads(args.quick)

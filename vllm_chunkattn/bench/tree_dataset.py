@@ -21,7 +21,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_chunkattn.workload import WORDS
+from vllm_chunkattn.testing.workload import WORDS
 
 
 @dataclass(frozen=True)

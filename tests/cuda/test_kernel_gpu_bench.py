@@ -1,0 +1,108 @@
+"""The GPU kernel benchmark's device-independent parts, on CPU: its grids, the
+inputs it builds for the baselines (FlashAttention layout, private copies,
+dense K/V, FlashInfer cascade levels), and that it refuses to run without a GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_chunkattn.testing import reference
+from vllm_chunkattn.bench import kernel_gpu as kg
+from vllm_chunkattn.testing.paged_cases import num_blocks_needed, random_kv_cache
+from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.prefix.tree import prefix_tree
+
+
+def test_grids_are_the_papers():
+    table3 = kg.grid_points(["table3"])
+    assert len(table3) == 12 and {p.batch for p in table3} == {32}
+    assert {(p.prompt, p.shared) for p in table3} >= {(1024, 0), (2048, 1536), (4096, 4096)}
+    assert len(kg.grid_points(["figure3"])) == 10
+    assert [p.batch for p in kg.grid_points(["figure4"])] == [1, 8, 16, 32, 64, 96, 128]
+    assert all(p.context == 1024 + 512 + 256 + 128 for p in kg.grid_points(["multilevel"]))
+    assert len(kg.grid_points(["table3", "figure4"], quick=True)) == 4
+
+
+def test_point_tables_share_what_they_claim():
+    for point in kg.grid_points(["table3", "figure3", "multilevel"], quick=True):
+        table, seq_lens = kg.point_table(point, 64)
+        assert table.shape[0] == point.batch and int(seq_lens.min()) == int(seq_lens.max()) == point.context
+        ctx = prefix_tree(table, seq_lens, 64)
+        if point.levels:
+            assert ctx.num_nodes == 1 + 4 + 16
+        elif point.shared:
+            assert ctx.num_nodes == 1 and int(ctx.node_chunk_end[0]) == point.shared // 64
+        else:
+            assert ctx.num_nodes == 0
+
+
+def test_cascade_levels_cover_each_request_exactly_once():
+    for point in kg.grid_points(["table3", "multilevel"], quick=True):
+        table, seq_lens = kg.point_table(point, 16)
+        ctx = prefix_tree(table, seq_lens, 16)
+        levels = kg.cascade_levels(ctx, table, seq_lens, 16)
+        depth = 3 if point.levels else (1 if point.shared else 0)
+        assert levels is not None and len(levels) == depth + 1
+        order = ctx.order.tolist()
+        pages = {row: [] for row in order}
+        for lv in levels:
+            assert lv.qo_indptr[0] == 0 and lv.qo_indptr[-1] == len(order)
+            for g in range(len(lv.qo_indptr) - 1):
+                group_pages = lv.kv_indices[lv.kv_indptr[g] : lv.kv_indptr[g + 1]]
+                for t in range(lv.qo_indptr[g], lv.qo_indptr[g + 1]):
+                    pages[order[t]] += group_pages
+        for row, got in pages.items():
+            n = -(-int(seq_lens[row]) // 16)
+            assert got == table[row, :n].tolist()
+        assert levels[-1].last_page_len == [int(seq_lens[r]) - (-(-int(seq_lens[r]) // 16) - 1) * 16 for r in order]
+
+
+def test_baseline_layouts_hold_the_same_keys_and_values():
+    point = kg.Point("t", 3, 40, 32, 1)
+    table, seq_lens = kg.point_table(point, 16)
+    kv = random_kv_cache(num_blocks_needed(table), 2, 16, 64, torch.float32)
+    k_cache, v_cache = split_kv(kv)
+    k_fa, v_fa = kg.flash_layout(kv)
+    assert torch.equal(k_fa.transpose(1, 2), k_cache) and torch.equal(v_fa.transpose(1, 2), v_cache)
+    private = kg.unshared_table(table, seq_lens, 16)
+    k_u = torch.cat([k_fa[:1], k_fa[table.long().flatten()]])
+    assert torch.equal(k_u[private.long()], k_fa[table.long()])
+    assert len(set(private.flatten().tolist())) == private.numel()
+    k, v = kg.dense_kv(kv, table, point.context)
+    for r in range(3):
+        ref_k, ref_v = reference.gather_context(kv, table[r], point.context)
+        assert torch.equal(k[r], ref_k) and torch.equal(v[r], ref_v)
+
+
+def test_sdpa_baseline_matches_the_reference_on_cpu():
+    point = kg.Point("t", 4, 50, 32, 3)
+    settings = kg.Settings(heads=4, kv_heads=2, head_size=64, block_size=16, dtype="float32", methods=["sdpa"])
+    fns, skipped, facts = kg._method_fns(point, settings, torch.device("cpu"))
+    assert not skipped and facts["nodes"] == 1
+    query, kv, table, seq_lens, scale = facts["inputs"]
+    expected = reference.paged_attention(query, kv, torch.arange(5), seq_lens, table, scale)
+    torch.testing.assert_close(fns["sdpa"](), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_to_run_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        return
+    assert kg.main(["--grids", "table3", "--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cpu_bench_command_has_a_gpu_mode(capsys):
+    """`python -m vllm_chunkattn.bench.kernel --device cuda` is the GPU benchmark on
+    the same grids; here (no GPU) it refuses with a reason, as do CPU-only options."""
+    import pytest
+
+    from vllm_chunkattn.bench import kernel
+
+    for argv, reason in [
+        (["--device", "cuda", "--grid", "prefill"], "grid 'prefill' is CPU-only"),
+        (["--device", "cuda", "--dtype", "fp32"], "dtype 'fp32' is not supported by the CUDA kernels"),
+    ] + ([] if torch.cuda.is_available() else [(["--device", "cuda", "--quick"], "no CUDA device")]):
+        with pytest.raises(SystemExit) as exit_info:
+            kernel.main(argv)
+        assert exit_info.value.code == 2
+        assert reason in capsys.readouterr().err

@@ -1,0 +1,384 @@
+"""Property-based tests of the CPU kernels (and the torch kernels) against the oracle.
+
+Every decode batch is a random prefix tree over the block tables: runs of
+shared chunks at up to 4 levels, groups splitting at each level, private
+chunks, partially filled last chunks, requests whose whole context is shared
+full chunks, batch rows shuffled so tree order != batch order. The compiled
+ops are checked on every SIMD build this CPU supports (CHUNKATTN_CPU_ISA), the
+torch kernels on the same cases; all against `reference.paged_attention`,
+computed in float64 from the same low-precision cache and queries and rounded
+to the dtype.
+
+Tolerances (max abs error, relative to the output's scale s = max(1, max|ref|)):
+    float32   atol 1e-5 * s, rtol 1e-4 (elementwise, torch.testing)
+    float16   2e-3 * s     (an fp16 ulp at the output scale plus fp32 accumulation)
+    bfloat16  2e-2 * s     (a bf16 ulp is 2^-8 relative: rounding alone reaches 8e-3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.testing import reference
+from vllm_chunkattn.kernels import torch_fallback
+from vllm_chunkattn.prefix import tree
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 0.0), torch.bfloat16: (2e-2, 0.0)}
+
+SETTINGS = settings(
+    max_examples=int(os.environ.get("CHUNKATTN_TEST_EXAMPLES", "100")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _supported_isas() -> list[str]:
+    isas = []
+    for isa in ("avx512bf16", "avx512", "avx2", "scalar"):
+        with _isa(isa):
+            try:
+                torch.ops.chunkattn.cpu_isa()
+            except RuntimeError:
+                continue
+        isas.append(isa)
+    return isas
+
+
+@contextlib.contextmanager
+def _isa(name: str | None):
+    old = os.environ.get("CHUNKATTN_CPU_ISA")
+    if name is None:
+        os.environ.pop("CHUNKATTN_CPU_ISA", None)
+    else:
+        os.environ["CHUNKATTN_CPU_ISA"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CHUNKATTN_CPU_ISA", None)
+        else:
+            os.environ["CHUNKATTN_CPU_ISA"] = old
+
+
+ISAS = _supported_isas()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    scale = max(1.0, ref.float().abs().max().item()) if ref.numel() else 1.0
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# Case generation
+
+
+@st.composite
+def tree_batches(draw, max_batch: int, block_size: int, max_run: int):
+    """Block tables and seq lens of a batch whose requests form a random prefix tree.
+
+    Returns (paths, lens): per request its chunk labels (equal labels = one
+    physical chunk), in a shuffled batch order.
+    """
+    batch = draw(st.integers(1, max_batch))
+    depth = draw(st.integers(0, 4))
+    labels = iter(range(1 << 30))
+    paths: list[list[int]] = [[] for _ in range(batch)]
+
+    def grow(members: list[int], level: int) -> None:
+        if level == depth:
+            return
+        run = [next(labels) for _ in range(draw(st.integers(0, max_run)))]
+        for r in members:
+            paths[r].extend(run)
+        parts = draw(st.integers(1, min(3, len(members))))
+        cuts = sorted(draw(st.lists(st.integers(1, len(members) - 1), min_size=parts - 1, max_size=parts - 1,
+                                    unique=True))) if parts > 1 else []
+        bounds = [0, *cuts, len(members)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            grow(members[a:b], level + 1)
+
+    grow(list(range(batch)), 0)
+    lens = []
+    for r in range(batch):
+        paths[r].extend(next(labels) for _ in range(draw(st.integers(0, max_run))))
+        # 0: the context ends on a chunk boundary (the last chunk is full, maybe shared).
+        tail = draw(st.integers(0, block_size - 1))
+        if not paths[r] and tail == 0:
+            tail = 1
+        full = len(paths[r])
+        if tail:
+            paths[r].append(next(labels))
+        lens.append(full * block_size + tail)
+    order = draw(st.permutations(range(batch)))
+    return [paths[i] for i in order], [lens[i] for i in order]
+
+
+def materialise(paths, lens, block_size: int, seed: int, extra_cols: int):
+    """Physical block ids for the labels, scattered over the cache; padding columns hold valid ids."""
+    rng = random.Random(seed)
+    distinct = sorted({label for p in paths for label in p})
+    num_blocks = len(distinct) + rng.randint(0, 3)
+    ids = rng.sample(range(num_blocks), len(distinct))
+    block_of = dict(zip(distinct, ids))
+    width = max(len(p) for p in paths) + extra_cols
+    table = torch.tensor([[block_of[x] for x in p] + [rng.randrange(num_blocks) for _ in range(width - len(p))]
+                          for p in paths], dtype=torch.int32)
+    return table, torch.tensor(lens, dtype=torch.int32), num_blocks
+
+
+@st.composite
+def decode_cases(draw, max_batch: int = 64):
+    dtype = draw(st.sampled_from(DTYPES))
+    head_size = draw(st.sampled_from([64, 128]))
+    block_size = draw(st.sampled_from([16, 32, 64, 128]))
+    group = draw(st.integers(1, 8))
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    max_run = {16: 3, 32: 3, 64: 2, 128: 1}[block_size]
+    paths, lens = draw(tree_batches(max_batch, block_size, max_run))
+    table, seq_lens, num_blocks = materialise(paths, lens, block_size, draw(st.integers(0, 2**31)),
+                                              draw(st.integers(0, 2)))
+    # Keep an example's cache small enough for a quick float64 reference.
+    assume(num_blocks * num_kv_heads * block_size * head_size <= 2_000_000)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    temperature = draw(st.sampled_from([0.5, 1.0, 4.0]))  # 4: peaky softmax, stresses the running max
+    kv_cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
+    batch, num_heads = len(lens), group * num_kv_heads
+    pad = draw(st.sampled_from([0, 16]))  # strided query rows / output rows
+    query = (temperature * torch.randn(batch, num_heads, head_size + pad, generator=gen)).to(dtype)[..., :head_size]
+    return dict(query=query, kv_cache=kv_cache, block_table=table, seq_lens=seq_lens, pad=pad,
+                scale=1.0 / math.sqrt(head_size), dtype=dtype)
+
+
+def _decode_reference(case):
+    batch = case["query"].shape[0]
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    return reference.paged_attention(case["query"], case["kv_cache"], qsl, case["seq_lens"], case["block_table"],
+                                     case["scale"])
+
+
+def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
+    b, h, d = like.shape
+    return torch.full((b, h, d + pad), float("nan"), dtype=like.dtype)[..., :d]
+
+
+def assert_on_every_isa(op, like: torch.Tensor, pad: int, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Run `op(out)` on each SIMD build of the CPU kernels, into a NaN-filled
+    output shaped like `like` (rows strided by `pad`), and check each result."""
+    for isa in ISAS:
+        with _isa(isa):
+            out = _strided_out(like, pad)
+            op(out)
+        assert_close(out, ref, dtype, f"{what} [{isa}]")
+
+
+# ---------------------------------------------------------------------------
+# Decode
+
+
+@SETTINGS
+@given(case=decode_cases())
+def test_tpp_decode_matches_reference(case):
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
+    ref = _decode_reference(case)
+    assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                   case["seq_lens"], ctx, case["scale"], out),
+                        case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}")
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(case=decode_cases(max_batch=24))
+def test_torch_tpp_decode_matches_reference(case):
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
+    out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
+                                   case["scale"])
+    assert_close(out, _decode_reference(case), case["dtype"], "torch_fallback.tpp_decode")
+
+
+def _one_big_node(batch, num_kv_heads, group, chunks, block_size=64, head_size=128, dtype=torch.bfloat16, tail=5):
+    """All requests share `chunks` full chunks, then one private partial chunk each."""
+    table = torch.zeros(batch, chunks + 1, dtype=torch.int32)
+    table[:, :chunks] = torch.arange(chunks, dtype=torch.int32)
+    table[:, chunks] = chunks + torch.arange(batch, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(chunks + batch, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
+    query = torch.randn(batch, num_kv_heads * group, head_size, generator=gen).to(dtype)
+    lens = torch.full((batch,), chunks * block_size + tail, dtype=torch.int32)
+    return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (1, 8), (2, 4), (8, 1)])
+def test_tpp_decode_one_big_shared_node(threads, num_kv_heads, group):
+    """One node with many chunks and few kv heads: phase 1 splits the node's chunks over the threads."""
+    case = _one_big_node(batch=6, num_kv_heads=num_kv_heads, group=group, chunks=24)
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    assert ctx.num_nodes == 1
+    ref = _decode_reference(case)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                       case["seq_lens"], ctx, case["scale"], out),
+                            case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_tpp_decode_all_context_shared():
+    """seq_len a multiple of the block size and every chunk shared: no private token at all."""
+    case = _one_big_node(batch=4, num_kv_heads=2, group=2, chunks=3, tail=0)
+    case["block_table"] = case["block_table"][:, :3].contiguous()
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    assert ctx.shared_chunks.tolist() == [3] * 4
+    ref = _decode_reference(case)
+    assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                   case["seq_lens"], ctx, case["scale"], out),
+                        case["query"], 0, ref, case["dtype"], "tpp_decode")
+
+
+def test_tpp_decode_rejects_unsupported_head_size():
+    case = _one_big_node(batch=2, num_kv_heads=1, group=1, chunks=1, head_size=72)
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    with pytest.raises(RuntimeError, match="head size 72 is not supported"):
+        ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx, 1.0,
+                       torch.empty_like(case["query"]))
+
+
+# ---------------------------------------------------------------------------
+# Prefill
+
+
+@st.composite
+def prefill_cases(draw):
+    case = draw(decode_cases(max_batch=6))
+    lens = case["seq_lens"].tolist()
+    # New tokens per request: all of the context (plain prefill), one, or some (chunked / prefix hit).
+    num_new = [draw(st.one_of(st.just(n), st.just(1), st.integers(0, min(n, 200)))) for n in lens]
+    num_new = [min(x, 200) for x in num_new]
+    qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    _, num_heads, head_size = case["query"].shape
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    pad = case["pad"]
+    case["query"] = torch.randn(int(qsl[-1]), num_heads, head_size + pad, generator=gen).to(case["dtype"])[..., :head_size]
+    case["query_start_loc"] = qsl
+    return case
+
+
+def _prefill_reference(case):
+    return reference.paged_attention(case["query"], case["kv_cache"], case["query_start_loc"], case["seq_lens"],
+                                     case["block_table"], case["scale"])
+
+
+@SETTINGS
+@given(case=prefill_cases())
+def test_paged_prefill_matches_reference(case):
+    ref = _prefill_reference(case)
+    assert_on_every_isa(lambda out: ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"],
+                                                      case["seq_lens"], case["block_table"], case["scale"], out),
+                        case["query"], case["pad"], ref, case["dtype"], "paged_prefill")
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(case=prefill_cases())
+def test_torch_paged_prefill_matches_reference(case):
+    out = torch.zeros_like(case["query"])
+    torch_fallback.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"].tolist(),
+                                case["seq_lens"].tolist(), case["block_table"], case["scale"], out)
+    assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.paged_prefill")
+
+
+def test_paged_prefill_request_without_new_tokens():
+    """A request with no new token (num_new = 0) between two that have some: nothing to do for it."""
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(6, 2, 16, 128, generator=gen)
+    table = torch.arange(6, dtype=torch.int32).view(3, 2)
+    lens = torch.tensor([20, 17, 32], dtype=torch.int32)
+    qsl = torch.tensor([0, 5, 5, 7], dtype=torch.int32)
+    query = torch.randn(7, 4, 64, generator=gen)
+    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl, scale=0.125)
+    ref = _prefill_reference(case)
+    assert_on_every_isa(lambda out: ops.paged_prefill(query, kv, qsl, lens, table, 0.125, out),
+                        query, 0, ref, torch.float32, "paged_prefill")
+
+
+def test_paged_prefill_int64_metadata_and_long_prompt():
+    """vLLM-style int64 metadata; a prompt longer than one query tile and one key tile."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, head_size, kv_heads, group = 32, 128, 2, 4
+    lens = [700, 33]
+    num_new = [700, 9]
+    table = torch.tensor([list(range(0, 22)), list(range(22, 24)) + [0] * 20], dtype=torch.int32)
+    kv = torch.randn(24, kv_heads, block_size, 2 * head_size, generator=gen)
+    qsl = torch.tensor([0, 700, 709], dtype=torch.int64)
+    query = torch.randn(709, kv_heads * group, head_size, generator=gen)
+    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int64),
+                query_start_loc=qsl, scale=head_size**-0.5)
+    ref = _prefill_reference(case)
+    assert_on_every_isa(lambda out: ops.paged_prefill(query, kv, qsl, case["seq_lens"], table, case["scale"], out),
+                        query, 0, ref, torch.float32, "paged_prefill")
+
+
+# ---------------------------------------------------------------------------
+# KV write
+
+
+@settings(SETTINGS, max_examples=30)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    head_size=st.sampled_from([64, 128]),
+    block_size=st.sampled_from([16, 32, 64, 128]),
+    num_kv_heads=st.integers(1, 4),
+    num_tokens=st.integers(1, 80),
+    strided=st.booleans(),
+    slot_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seed=st.integers(0, 2**31),
+)
+def test_write_kv_cache_matches_reference(dtype, head_size, block_size, num_kv_heads, num_tokens, strided, slot_dtype,
+                                          seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = (num_tokens + block_size - 1) // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1  # padding tokens
+    # Rows as a slice of a fused qkv-like buffer when strided.
+    width = 3 * num_kv_heads * head_size if strided else 2 * num_kv_heads * head_size
+    kv_rows = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    key = kv_rows[:, : num_kv_heads * head_size].view(num_tokens, num_kv_heads, head_size)
+    value = kv_rows[:, num_kv_heads * head_size : 2 * num_kv_heads * head_size].view(num_tokens, num_kv_heads,
+                                                                                     head_size)
+    cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
+    expected = cache.clone()
+    reference.write_kv_cache(key, value, expected, slots)
+    ops.write_kv_cache(key, value, cache, slots.to(slot_dtype))
+    assert torch.equal(cache, expected)
+
+
+# ---------------------------------------------------------------------------
+# torch.compile support
+
+
+def test_ops_have_fake_kernels():
+    case = _one_big_node(batch=3, num_kv_heads=2, group=2, chunks=2, dtype=torch.float32)
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    out = torch.empty_like(case["query"])
+    args = (out, case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx.order, ctx.node_begin,
+            ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end, ctx.node_partial_offset, ctx.shared_chunks,
+            ctx.row_partial_offsets, ctx.row_partials, ctx.num_partial_rows, case["scale"])
+    torch.library.opcheck(torch.ops.chunkattn.tpp_decode.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.chunkattn.paged_prefill.default,
+                          (out, case["query"], case["kv_cache"], qsl, case["seq_lens"], case["block_table"],
+                           case["scale"]),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,137 @@
+"""The serving benchmark's parts that need no server: the tree dataset, the
+metrics parsing, and the report (table, ratios, plots, timed-out runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from vllm_chunkattn.bench.metrics_poller import MetricsPoller
+from vllm_chunkattn.bench.report import markdown, normalised_latencies_ms, percentile, write_report
+from vllm_chunkattn.bench.tree_dataset import TreeShape, load_tokenizer, tree_prompts
+from vllm_chunkattn.bench.workloads import workloads
+from vllm_chunkattn.testing.models import ensure_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ensure_model("tiny"))
+
+
+def test_tree_prompts_have_exact_token_counts_and_shared_prefixes(tokenizer):
+    shape = TreeShape(system_tokens=100, num_groups=3, document_tokens=70, question_tokens=9, output_tokens=5)
+    records = tree_prompts(tokenizer, shape, num_prompts=12, seed=1)
+    assert len(records) == 12 and len({r["prompt"] for r in records}) == 12
+    ids = [tokenizer.encode(r["prompt"], add_special_tokens=False).ids for r in records]
+    assert all(len(x) == 179 for x in ids)
+    assert len({tuple(x[:100]) for x in ids}) == 1  # one system prompt
+    for g in range(3):
+        group = [x for x, r in zip(ids, records) if r["group"] == g]
+        assert len({tuple(x[:170]) for x in group}) == 1  # one document per group
+    assert len({tuple(x[:170]) for x in ids}) == 3
+    assert tree_prompts(tokenizer, shape, 12, seed=1) == records  # deterministic
+
+
+def test_prefix_repetition_prompt_counts_divide():
+    for quick in (True, False):
+        for w in workloads(quick).values():
+            assert w.shared_tokens < w.prompt_tokens
+            if w.num_prompts_multiple > 1:
+                assert "--prefix-repetition-num-prefixes" in w.dataset_args
+
+
+def test_normalised_latency_skips_failed_requests():
+    raw = {"latencies": [1.0, 2.0, 0.5], "output_lens": [100, 100, 0], "errors": ["", "", "boom"]}
+    assert normalised_latencies_ms(raw) == [10.0, 20.0]
+    assert percentile([10.0, 20.0], 90) == pytest.approx(19.0)
+    assert math.isnan(percentile([], 90))
+
+
+METRICS_TEXT = """\
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 5.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="64",kv_cache_memory_bytes="4294967296",engine="0"} 1.0
+"""
+
+
+def test_metrics_poller_peaks_and_deltas(monkeypatch):
+    from vllm_chunkattn.bench import metrics_poller
+
+    texts = iter([METRICS_TEXT, METRICS_TEXT.replace(" 7.0", " 9.0").replace(" 5.0", " 12.0")])
+
+    class Response:
+        def __init__(self, *args, **kwargs):
+            self.text = next(texts)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def read(self):
+            return self.text.encode()
+
+    monkeypatch.setattr(metrics_poller.urllib.request, "urlopen", Response)
+    poller = MetricsPoller("http://x")
+    poller._sample()
+    poller._sample()
+    summary = poller.summary()
+    assert summary.peak_running == 9 and summary.peak_waiting == 2
+    assert summary.finished == 7  # summed over finish reasons, a delta over the run
+    assert summary.peak_kv_cache_usage == 0.25 and summary.peak_kv_cache_gib == pytest.approx(1.0)
+
+
+def _record(server, workload, mode, x, tput, lat, **extra):
+    return {"server": server, "workload": workload, "mode": mode, "x": x, "num_prompts": 8, "completed": 8,
+            "request_throughput": tput / 100, "output_throughput": tput, "mean_ttft_ms": 10.0, "p90_ttft_ms": 12.0,
+            "mean_tpot_ms": 5.0, "p90_tpot_ms": 6.0, "mean_normalised_latency_ms": lat,
+            "p90_normalised_latency_ms": lat * 1.1, "peak_kv_cache_usage": 0.1, "peak_kv_cache_gib": 0.4,
+            "peak_batch": 8, **extra}
+
+
+def test_report_table_ratios_and_plots(tmp_path):
+    ws = [{"name": "tree", "description": "d", "shared_tokens": 10, "output_tokens": 5, "min_throughput_ratio": 1.4,
+           "max_p90_latency_ratio": None},
+          {"name": "random", "description": "d", "shared_tokens": 0, "output_tokens": 5, "min_throughput_ratio": 0.97,
+           "max_p90_latency_ratio": None}]
+    runs = [
+        _record("stock", "tree", "concurrency", 32, 100.0, 20.0),
+        _record("chunk", "tree", "concurrency", 32, 150.0, 10.0),
+        _record("stock", "random", "concurrency", 32, 100.0, 20.0),
+        _record("chunk", "random", "concurrency", 32, math.nan, math.nan, timed_out=True, completed=3),
+        _record("stock", "tree", "rate", 0.5, 50.0, 30.0),
+        _record("chunk", "tree", "rate", 0.5, 50.0, 15.0),
+    ]
+    results = {"command": "cmd", "workloads": ws, "runs": runs}
+    table = write_report(tmp_path, results)
+    assert "| tree | **chunk/stock** | **1.50** | **1.50** |" in table
+    assert "3/8 (timed out)" in table
+    assert "| tree | output throughput chunk/stock ≥ 1.4 | 1.50 | met |" in table
+    assert "| tree | 0.5 | 30.0 | 15.0 | **0.50** |" in table
+    saved = json.loads((tmp_path / "results.json").read_text())  # strict JSON: NaN became null
+    assert saved["runs"][3]["output_throughput"] is None
+    assert markdown(saved) == table  # the report can be rebuilt from results.json
+    for name in ("fig5_normalised_latency.png", "throughput.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_server_start_failure_shows_the_cause():
+    from vllm_chunkattn.bench.serve import error_lines
+
+    log = (
+        "(APIServer pid=1) WARNING 11-21 [system_utils.py:255] Found ulimit; fd limit errors like `OSError: [Errno 24]`\n"
+        "(Worker pid=2) ERROR 11-21 [multiproc_executor.py:953] ValueError: CHUNK does not support block size 16\n"
+        "(Worker pid=2) ERROR 11-21 [multiproc_executor.py:953] ValueError: CHUNK does not support block size 16\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert error_lines(log) == ["ValueError: CHUNK does not support block size 16",
+                                "RuntimeError: Engine core initialization failed. See root cause above."]

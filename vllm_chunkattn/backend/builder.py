@@ -1,0 +1,164 @@
+"""Per step: the metadata builder, which splits the batch and derives the prefix tree.
+
+The builder splits the batch into decode requests (one new token) and
+prefill requests (many: prefill, chunked prefill, prefill after a
+prefix-cache hit), and derives the prefix tree of the decode requests from
+their block tables (prefix/tree.py, cached across steps). On CUDA the tree
+context goes to fixed-capacity device buffers (prefix/device_buffers.py), so
+pure-decode batches run under vLLM's full CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_chunkattn import BACKEND_NAME
+from vllm_chunkattn.backend.stats import DecodeStats, logger
+from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.kernels.support import CUDA, for_platform, names
+from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
+from vllm_chunkattn.prefix.tree import PrefixTreeCache, PrefixTreeContext
+
+# Capacity of the device tree context per decode request slot: partial-result
+# rows (sum over shared nodes of the requests each covers). A deeper tree is
+# cut to its top levels (device_buffers.fit_context), which stays exact.
+CUDA_PARTIAL_ROWS_PER_REQUEST = 4
+
+
+@dataclass
+class ChunkAttentionMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    # Decode requests come first in the batch (reorder_batch_threshold = 1).
+    num_decodes: int
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    tree: PrefixTreeContext | None
+    # Prefill requests follow; their query rows start at num_decode_tokens.
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1], rebased to 0
+    prefill_seq_lens: torch.Tensor
+    prefill_block_table: torch.Tensor
+
+
+class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetadata]):
+    # Ask the runner to put single-token requests first, so decodes are one slice.
+    reorder_batch_threshold: int | None = 1
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """UNIFORM_SINGLE_TOKEN_DECODE with the CUDA kernels: pure-decode batches
+        may replay full CUDA graphs, because the decode launches (KV write, TPP
+        plan / attend / merge) size their grids and workspace from shapes
+        only, read every value (block tables, sequence lengths, the tree
+        context) from device buffers that stay in place (vLLM's persistent
+        inputs, DeviceTreeBuffers here, refreshed by in-place copies in
+        build()), and the Python forward takes no data-dependent branch within
+        a pure-decode batch. Batches with prefills are not captured: the
+        forward's decode/prefill split is fixed at capture. NEVER otherwise:
+        the PyTorch fallback reads the tree on the host."""
+        dtype = getattr(kv_cache_spec, "dtype", None)
+        if current_platform.is_cuda() and ops.cuda_kernels_available() and dtype in CUDA.dtypes:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        on_cuda = torch.device(device).type == "cuda"
+        block_sizes = for_platform(on_cuda).block_sizes
+        if self.block_size not in block_sizes:
+            raise ValueError(
+                f"{BACKEND_NAME} does not support block size {self.block_size} "
+                f"(supported: {names(block_sizes)}); set --block-size"
+            )
+        # On CUDA with the compiled kernels, the decode context goes to fixed-
+        # capacity device buffers (CUDA-graph safe); else it stays on the host.
+        self.device_tree: DeviceTreeBuffers | None = None
+        if on_cuda and ops.cuda_kernels_available() and kv_cache_spec.dtype in CUDA.dtypes:
+            max_batch = max(
+                vllm_config.scheduler_config.max_num_seqs,
+                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+            )
+            self.device_tree = DeviceTreeBuffers(
+                max_batch=max_batch,
+                max_nodes=max_batch - 1,
+                max_partial_rows=CUDA_PARTIAL_ROWS_PER_REQUEST * max_batch,
+                device=device,
+            )
+            logger.info_once(
+                "%s attention on the CUDA kernels (vllm_chunkattn._C_cuda); CUDA graphs: "
+                "UNIFORM_SINGLE_TOKEN_DECODE (pure-decode batches); tree context capacity: "
+                "%d requests, %d nodes, %d partial rows.",
+                BACKEND_NAME, max_batch, self.device_tree.max_nodes, self.device_tree.max_partial_rows,
+            )
+        if not vllm_config.cache_config.enable_prefix_caching:
+            logger.warning(
+                "%s attention with prefix caching disabled: requests share no KV "
+                "blocks, so nothing is shared and decode runs as plain paged attention. "
+                "Enable prefix caching to benefit.",
+                BACKEND_NAME,
+            )
+        self.tree_cache = PrefixTreeCache()
+        self.stats = DecodeStats(self.block_size)
+        logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ChunkAttentionMetadata:
+        cm = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cm, decode_threshold=1
+        )
+        num_reqs = num_decodes + num_prefills
+        block_table = cm.block_table_tensor[:num_reqs]
+        seq_lens = cm.seq_lens[:num_reqs].cpu()
+        decode_block_table = block_table[:num_decodes]
+        decode_seq_lens = seq_lens[:num_decodes]
+        tree = None
+        if num_decodes:
+            tree = self.tree_cache.get(decode_block_table.cpu(), decode_seq_lens, self.block_size)
+            self.stats.record(tree, decode_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
+        if self.device_tree is not None:
+            # CUDA kernels: every input on the device, the tree in the fixed
+            # buffers (copied only when it changed), the rest vLLM's own
+            # persistent device tensors, so a captured decode graph reads this
+            # step's values on replay.
+            if tree is not None:
+                tree = self.device_tree.load(tree, num_decodes)
+            seq_lens, query_start_loc = cm.seq_lens[:num_reqs], cm.query_start_loc
+        else:
+            query_start_loc = cm.query_start_loc_cpu
+        qsl = query_start_loc[num_decodes : num_reqs + 1]
+        return ChunkAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            slot_mapping=cm.slot_mapping,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            decode_block_table=decode_block_table,
+            decode_seq_lens=seq_lens[:num_decodes],
+            tree=tree,
+            prefill_query_start_loc=(qsl - qsl[:1]).to(torch.int32),
+            prefill_seq_lens=seq_lens[num_decodes:],
+            prefill_block_table=block_table[num_decodes:],
+        )

@@ -1,0 +1,114 @@
+"""Python entry points of the backend's kernels, one per kernel family.
+
+Each op runs the compiled kernel registered for the tensors' device in the
+`chunkattn` torch library (csrc/cpu on CPU, csrc/cuda on CUDA: one schema,
+dispatched by device), and falls back to the PyTorch version in
+`torch_fallback` where no compiled kernel fits (no extension built, or a dtype
+the kernels do not take, such as float32 attention on CUDA). All are tested
+against `reference.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import vllm_chunkattn._C  # noqa: F401  (registers torch.ops.chunkattn.* and their CPU kernels)
+from vllm_chunkattn.kernels import fake_ops
+from vllm_chunkattn.kernels import torch_fallback
+from vllm_chunkattn.prefix.tree import PrefixTreeContext
+
+fake_ops.register()  # schemas an older CPU build lacks, and fake kernels for torch.compile
+
+try:  # after _C: the CUDA library only adds kernels to the schemas defined there
+    import vllm_chunkattn._C_cuda  # noqa: F401
+
+    CUDA_KERNELS_ERROR: str | None = None
+except ImportError as e:  # CPU-only build, or a build for another torch
+    CUDA_KERNELS_ERROR = f"{type(e).__name__}: {e}"
+
+CUDA_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cuda_kernels_available() -> bool:
+    """Whether the compiled CUDA kernels (vllm_chunkattn._C_cuda) are loaded."""
+    return CUDA_KERNELS_ERROR is None
+
+
+def _compiled(name: str, device: torch.device):
+    """The compiled kernel of op `name` for `device`, or None."""
+    return _compiled_for(name, device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_for(name: str, device_type: str):
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(f"chunkattn::{name}", key):
+        return None
+    return getattr(torch.ops.chunkattn, name)
+
+
+def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value [num_tokens, num_kv_heads, head_size] into their slots of kv_cache."""
+    kernel = _compiled("write_kv_cache", kv_cache.device)
+    if kernel is None:
+        return torch_fallback.write_kv_cache(key, value, kv_cache, slot_mapping)
+    kernel(key, value, kv_cache, slot_mapping)
+
+
+def tpp_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ctx: PrefixTreeContext,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Two-phase-partition decode: query/out [B, num_heads, head_size].
+
+    On CUDA the context arrays are read on the device (the backend keeps them
+    in fixed-capacity device buffers, vllm_chunkattn/device_context.py; other
+    callers' CPU arrays are copied over)."""
+    device = query.device
+    kernel = _compiled("tpp_decode", device)
+    if kernel is None or (device.type == "cuda" and query.dtype not in CUDA_ATTENTION_DTYPES):
+        return torch_fallback.tpp_decode(query, kv_cache, block_table, seq_lens, ctx, scale, out)
+    arrays = [
+        ctx.order, ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end,
+        ctx.node_partial_offset, ctx.shared_chunks, ctx.row_partial_offsets, ctx.row_partials,
+    ]
+    if device.type == "cuda":
+        arrays = [_on(a, device) for a in arrays]
+        block_table, seq_lens = _on(block_table, device), _on(seq_lens, device)
+    kernel(out, query, kv_cache, block_table, seq_lens, *arrays, ctx.num_partial_rows, scale)
+    return out
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of many new tokens per request over the paged cache.
+    query/out [T, num_heads, head_size]; query_start_loc [R + 1] (starting at 0)."""
+    device = query.device
+    kernel = _compiled("paged_prefill", device)
+    if kernel is None or (device.type == "cuda" and query.dtype not in CUDA_ATTENTION_DTYPES):
+        return torch_fallback.paged_prefill(
+            query, kv_cache, query_start_loc.tolist(), seq_lens.tolist(), block_table, scale, out
+        )
+    if device.type == "cuda":
+        query_start_loc, seq_lens = _on(query_start_loc, device), _on(seq_lens, device)
+        block_table = _on(block_table, device)
+    kernel(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    return out

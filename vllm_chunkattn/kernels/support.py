@@ -1,0 +1,62 @@
+"""What the kernels support, per platform: the one table every check reads.
+
+The backend's capability class methods and engine-start validation
+(backend/chunk_backend.py), the impl, the kernel wrappers (ops.py) and the
+README's support table come from here; tests check the compiled dispatch
+tables of csrc/cpu and csrc/cuda against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_chunkattn.install.cuda_toolkit import MIN_COMPUTE_CAPABILITY
+
+
+@dataclass(frozen=True)
+class PlatformSupport:
+    platform: str
+    head_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]  # vLLM's block size, our chunk size
+    dtypes: tuple[torch.dtype, ...]
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
+    min_compute_capability: tuple[int, int] | None = None
+
+
+CPU = PlatformSupport(
+    platform="CPU",
+    head_sizes=(64, 128, 256),
+    block_sizes=(32, 64, 128),
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+)
+# Tensor-core MMA (mma.sync) in float16/bfloat16, cp.async: sm_80 and newer.
+CUDA = PlatformSupport(
+    platform="CUDA",
+    head_sizes=(64, 128, 256),
+    block_sizes=(16, 32, 64, 128),
+    dtypes=(torch.float16, torch.bfloat16),
+    min_compute_capability=MIN_COMPUTE_CAPABILITY,
+)
+
+
+def for_platform(cuda: bool) -> PlatformSupport:
+    return CUDA if cuda else CPU
+
+
+def names(values) -> str:
+    """'64, 128, 256' / 'float16, bfloat16': the form every message uses."""
+    return ", ".join(str(v).replace("torch.", "") for v in values)
+
+
+def markdown_rows() -> list[str]:
+    """The per-platform rows of the README's support table (a test keeps the README in step)."""
+    rows = []
+    for what, field in (("head size", "head_sizes"), ("dtype", "dtypes"), ("block (chunk) size", "block_sizes"),
+                        ("KV cache dtype", "kv_cache_dtypes")):
+        rows.append(f"| {what} | {names(getattr(CPU, field))} | {names(getattr(CUDA, field))} |")
+    major, minor = MIN_COMPUTE_CAPABILITY
+    rows.append(f"| device | any x86-64 CPU (AVX2 or AVX-512 kernels when present) | compute capability "
+                f"{major}.{minor} and newer |")
+    return rows

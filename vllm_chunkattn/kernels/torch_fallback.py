@@ -1,0 +1,164 @@
+"""Two-phase-partition decode and paged prefill in plain PyTorch.
+
+The portable implementation of the backend's kernels: it runs wherever torch
+runs and states the algorithm in a few tensor operations. The compiled
+kernels (csrc/) compute the same thing and are tested against
+`reference.py`, as this module is.
+
+Partial results follow the paper's equation (1): for a set of keys, the
+unnormalised output o = sum_j exp(s_j - m) v_j, the running max m and the sum
+n = sum_j exp(s_j - m), all float32. Merging (equation 2) rescales each part
+by exp(m_part - m_total).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.prefix.tree import PrefixTreeContext
+
+
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+    """q [..., M, D] against k, v [..., L, D] -> (o [..., M, D], m [..., M], n [..., M]).
+
+    Rows that see no key get m = -inf, n = 0, o = 0.
+    """
+    scores = q @ k.transpose(-1, -2)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    m = scores.amax(dim=-1)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(scores - m_safe.unsqueeze(-1))
+    return e @ v, m, e.sum(dim=-1)
+
+
+def _merge(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, dim: int) -> torch.Tensor:
+    """Merge partials stacked along `dim` (of m and n; o has one more trailing dim) and normalise."""
+    m_total = m.amax(dim=dim, keepdim=True)
+    weight = torch.exp(m - m_total)
+    weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
+    n_total = (weight * n).sum(dim=dim)
+    o_total = (weight.unsqueeze(-1) * o).sum(dim=dim)
+    return o_total / n_total.unsqueeze(-1)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value [num_tokens, num_kv_heads, head_size] into their slots; negative slots are padding."""
+    k_cache, v_cache = split_kv(kv_cache)
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache[slots // block_size, :, slots % block_size] = key[: len(slot_mapping)][valid]
+    v_cache[slots // block_size, :, slots % block_size] = value[: len(slot_mapping)][valid]
+
+
+def tpp_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ctx: PrefixTreeContext,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per request.
+
+    query [B, num_heads, D], block_table [B, max_blocks], seq_lens [B] (context
+    including the token being decoded). Returns [B, num_heads, D].
+    """
+    batch, num_heads, head_size = query.shape
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = split_kv(kv_cache)
+    device = query.device
+    q = (query.float() * scale).view(batch, num_kv_heads, group, head_size)
+    seq_lens = seq_lens.to(device)
+
+    # Chunk-first phase: each shared node once, for all the requests it covers.
+    part_o = q.new_zeros(ctx.num_partial_rows, num_kv_heads, group, head_size)
+    part_m = q.new_full((ctx.num_partial_rows, num_kv_heads, group), float("-inf"))
+    part_n = q.new_zeros(ctx.num_partial_rows, num_kv_heads, group)
+    order = ctx.order.to(device).long()
+    for k in range(ctx.num_nodes):
+        begin, end = int(ctx.node_begin[k]), int(ctx.node_end[k])
+        rows = order[begin:end]
+        blocks = block_table[rows[0], int(ctx.node_chunk_begin[k]) : int(ctx.node_chunk_end[k])].long()
+        # [num_kv_heads, chunks * block_size, D]
+        keys = k_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
+        values = v_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
+        # [num_kv_heads, rows * group, D]: the query matrix of the node
+        q_node = q[rows].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_size)
+        o, m, n = _partial_attention(q_node, keys, values)
+        first = int(ctx.node_partial_offset[k])
+        part_o[first : first + len(rows)] = o.view(num_kv_heads, len(rows), group, head_size).transpose(0, 1)
+        part_m[first : first + len(rows)] = m.view(num_kv_heads, len(rows), group).transpose(0, 1)
+        part_n[first : first + len(rows)] = n.view(num_kv_heads, len(rows), group).transpose(0, 1)
+
+    # Sequence-first phase: each request's private chunks, padded into one batch.
+    shared_tokens = ctx.shared_chunks.to(device).long() * block_size
+    private_len = seq_lens.long() - shared_tokens
+    max_private = int(private_len.max()) if batch else 0
+    pos = shared_tokens[:, None] + torch.arange(max_private, device=device)[None, :]  # [B, L]
+    valid = pos < seq_lens.long()[:, None]
+    pos = torch.where(valid, pos, torch.zeros_like(pos))
+    blocks = torch.gather(block_table.long(), 1, pos // block_size)
+    keys = k_cache[blocks, :, pos % block_size].float()  # [B, L, num_kv_heads, D]
+    values = v_cache[blocks, :, pos % block_size].float()
+    o, m, n = _partial_attention(
+        q, keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3), valid[:, None, None, :]
+    )  # o [B, num_kv_heads, group, D]
+
+    # Merge: each request's node partials (depth <= tree depth) and its own part.
+    offsets = ctx.row_partial_offsets.to(device).long()
+    counts = offsets[1:] - offsets[:-1]
+    slot = torch.arange(int(counts.max()) if batch else 0, device=device)
+    has = slot[None, :] < counts[:, None]  # [B, depth]
+    idx = torch.where(has, offsets[:-1, None] + slot, 0)
+    rows = ctx.row_partials.to(device).long()[idx]
+    all_o = torch.cat([part_o[rows], o[:, None]], dim=1)
+    all_m = torch.cat([part_m[rows].masked_fill(~has[..., None, None], float("-inf")), m[:, None]], dim=1)
+    all_n = torch.cat([part_n[rows], n[:, None]], dim=1)
+    result = _merge(all_o, all_m, all_n, dim=1).view(batch, num_heads, head_size)
+    if out is None:
+        return result.to(query.dtype)
+    out.copy_(result)
+    return out
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context
+    (prefill, chunked prefill, and prefill after a prefix-cache hit alike).
+
+    query [T, num_heads, D] holds the requests' rows back to back;
+    query_start_loc has len(seq_lens) + 1 entries. Writes into out [T, num_heads, D].
+    """
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = split_kv(kv_cache)
+    for i, seq_len in enumerate(seq_lens):
+        q_begin, q_end = query_start_loc[i], query_start_loc[i + 1]
+        num_new = q_end - q_begin
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[i, :num_blocks].long()
+        # [num_kv_heads, seq_len, D]
+        keys = k_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :seq_len]
+        values = v_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :seq_len]
+        # [num_kv_heads, group * num_new, D], rows ordered (group, token)
+        q = (query[q_begin:q_end].float() * scale).view(num_new, num_kv_heads, group, head_size)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_size)
+        q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).repeat(group)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        o, _, n = _partial_attention(q, keys, values, mask[None])
+        o = (o / n.unsqueeze(-1)).view(num_kv_heads, group, num_new, head_size)
+        out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_size).to(out.dtype)
+    return out

@@ -1,0 +1,30 @@
+"""Engine runs of the shared-prefix workload, one process each, as a user would
+start them (`python -m vllm_chunkattn.testing.workload`), and the configurations compared."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+# name: (model, dtype, block size, KV blocks or None, logprob tolerance, near-tie threshold)
+CONFIGS = {
+    "float32-gqa-d64-block32-preempt": ("tiny", "float32", 32, 24, 1e-3, 0.0),
+    "bfloat16-gqa-d128-block64": ("tiny-d128", "bfloat16", 64, None, 0.15, 0.15),
+    "float16-mha-d64-block128": ("tiny-mha", "float16", 128, None, 0.05, 0.05),
+}
+
+
+def run_workload(tmp_path_factory, name: str, backend: str) -> dict:
+    model, dtype, block_size, num_blocks, _, _ = CONFIGS[name]
+    out = tmp_path_factory.mktemp(name) / f"{backend}.json"
+    cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--model-name", model, "--backend", backend,
+           "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
+    if num_blocks:
+        cmd += ["--num-blocks", str(num_blocks)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    log = done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    record["log"] = log
+    return record

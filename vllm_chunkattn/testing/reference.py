@@ -1,0 +1,78 @@
+"""Plain, obviously-correct attention over the paged KV cache: the test oracle.
+
+Every kernel of this project is checked against `paged_attention` here. It is
+deliberately slow: one request at a time, keys and values gathered token by
+token from the block table, softmax in float64.
+
+KV cache layout: vllm_chunkattn/kernels/layout.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_chunkattn.kernels.layout import split_kv
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_size] at their slots; negative slots are padding."""
+    k_cache, v_cache = split_kv(kv_cache)
+    block_size = kv_cache.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, :, slot % block_size] = key[t]
+        v_cache[slot // block_size, :, slot % block_size] = value[t]
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first `seq_len` tokens of one request: [seq_len, num_kv_heads, head_size]."""
+    k_cache, v_cache = split_kv(kv_cache)
+    block_size = kv_cache.shape[2]
+    pos = torch.arange(seq_len)
+    blocks = block_row[pos // block_size].long()
+    rows = pos % block_size
+    return k_cache[blocks, :, rows], v_cache[blocks, :, rows]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole context.
+
+    query:           [num_tokens, num_heads, head_size]
+    query_start_loc: [num_reqs + 1]; request i owns query rows qsl[i]:qsl[i+1]
+    seq_lens:        [num_reqs]; context length including the new tokens
+    block_table:     [num_reqs, max_blocks]
+    Returns [num_tokens, num_heads, head_size] in the query's dtype.
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for i in range(len(seq_lens)):
+        q_begin, q_end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        seq_len = int(seq_lens[i])
+        num_new = q_end - q_begin
+        if num_new == 0:
+            continue
+        k, v = gather_context(kv_cache, block_table[i], seq_len)
+        k = k.double().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
+        v = v.double().repeat_interleave(group, dim=1)
+        q = query[q_begin:q_end].double()  # [num_new, num_heads, d]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - num_new, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

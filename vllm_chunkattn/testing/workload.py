@@ -1,0 +1,198 @@
+"""A shared-prefix workload, and a runner that serves it through one vLLM
+engine and records what came out.
+
+The workload has prefixes shared at several levels, as LLM services see them:
+one system prompt for every request, then per group a shared document, then
+a unique question. It also has a prompt that is an exact prefix of another,
+prompts shorter than one chunk, and different output lengths, so requests
+join and leave the running batch at different times.
+
+    python -m vllm_chunkattn.testing.workload --backend chunk --out results.json
+
+runs it in a fresh process (vLLM engines are best kept one per process) and
+writes tokens, top logprobs and engine counters as JSON. The tests run it for
+stock vLLM and for `chunk` and compare; the demo prints what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+WORDS = (
+    "river stone light garden window paper market engine winter harbour signal "
+    "orange quiet careful bridge letter silver morning station forest number "
+    "table island yellow ticket doctor circle mountain pocket thunder valley "
+    "history kitchen planet lantern meadow copper whisper journey anchor"
+).split()
+
+
+@dataclass
+class Request:
+    prompt: str
+    max_tokens: int
+    group: str  # which shared prefix it belongs to, for the report
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def shared_prefix_workload(
+    num_groups: int = 3,
+    per_group: int = 4,
+    system_words: int = 120,
+    document_words: int = 80,
+    seed: int = 0,
+) -> list[Request]:
+    rng = random.Random(seed)
+    system = "System: you are a careful assistant. " + _text(rng, system_words) + "\n"
+    requests = []
+    for g in range(num_groups):
+        document = f"Document {g}: " + _text(rng, document_words) + "\n"
+        for r in range(per_group):
+            question = f"Question {g}.{r}: " + _text(rng, 5 + 3 * r) + "?\n"
+            requests.append(Request(system + document + question, 8 + 5 * ((g + r) % 4), f"doc{g}"))
+    # A prompt that is an exact prefix of another one (the system prompt itself).
+    requests.append(Request(system, 12, "system-only"))
+    # Prompts shorter than one chunk, sharing nothing.
+    requests += [Request(f"Hello {w}", 10, "short") for w in ("river", "stone", "planet")]
+    return requests
+
+
+def chat_conversations() -> list[list[dict]]:
+    """Two conversations that share a system message, for the chat endpoint."""
+    rng = random.Random(1)
+    system = {"role": "system", "content": "You answer briefly. " + _text(rng, 60)}
+    return [
+        [system, {"role": "user", "content": "Tell me about the " + _text(rng, 6)}],
+        [system, {"role": "user", "content": "Where is the " + _text(rng, 4) + "?"}],
+    ]
+
+
+CHAT_MAX_TOKENS = 16
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    backend: str = "chunk"  # "chunk" or "stock" (vLLM's default CPU_ATTN)
+    dtype: str = "float32"
+    block_size: int = 32
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 256  # small, so long prompts are prefilled in chunks
+    num_blocks: int | None = None  # small, to force preemption and recompute
+    max_model_len: int = 2048
+    logprobs: int = 2
+
+
+def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
+    """Serve `requests` through one engine; tokens, logprobs and counters."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    extra = {} if settings.backend == "stock" else {"attention_backend": settings.backend}
+    max_model_len = settings.max_model_len
+    if settings.num_blocks is not None:
+        extra["num_gpu_blocks_override"] = settings.num_blocks
+        # vLLM refuses a max_model_len that the blocks cannot hold.
+        max_model_len = min(max_model_len, (settings.num_blocks - 1) * settings.block_size)
+    started = time.perf_counter()
+    llm = LLM(
+        model=settings.model,
+        dtype=settings.dtype,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        **extra,
+    )
+    engine_start_s = time.perf_counter() - started
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, logprobs=settings.logprobs, ignore_eos=True)
+        for r in requests
+    ]
+    started = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    generate_s = time.perf_counter() - started
+    chat = llm.chat(
+        chat_conversations(), SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    results = []
+    for req, out in zip(requests, outputs):
+        completion = out.outputs[0]
+        top = [
+            sorted(((lp.logprob, tok) for tok, lp in step.items()), reverse=True)
+            for step in completion.logprobs
+        ]
+        results.append(
+            {
+                "group": req.group,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "tokens": list(completion.token_ids),
+                "text": completion.text,
+                "top_logprobs": [[[tok, lp] for lp, tok in step] for step in top],
+            }
+        )
+    return {
+        "settings": asdict(settings),
+        "engine_start_s": engine_start_s,
+        "generate_s": generate_s,
+        "counters": _counters(llm),
+        "results": results,
+        "chat": [out.outputs[0].text for out in chat],
+    }
+
+
+def _counters(llm) -> dict:
+    wanted = {"vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"}
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name in wanted:
+            counters[metric.name] = getattr(metric, "value", None)
+    return counters
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the shared-prefix workload through one vLLM engine.")
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    parser.add_argument("--backend", default="chunk", choices=["chunk", "stock"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--model-name", default="tiny", help="embedded model to use when --model is not given")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from vllm_chunkattn.testing.models import ensure_model
+
+        args.model = ensure_model(args.model_name)
+    settings = EngineSettings(
+        model=args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks,
+    )
+    record = run_offline(settings, shared_prefix_workload())
+    with open(args.out, "w") as f:
+        json.dump(record, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
