@@ -54,7 +54,7 @@ def markdown_rows() -> list[str]:
     """The per-platform rows of the README's support table (a test keeps the README in step)."""
     rows = []
     for what, field in (("head size", "head_sizes"), ("dtype", "dtypes"), ("block (chunk) size", "block_sizes"),
-                        ("KV cache dtype", "kv_cache_dtypes")):
+                        ("KV cache dtype (auto: the model dtype)", "kv_cache_dtypes")):
         rows.append(f"| {what} | {names(getattr(CPU, field))} | {names(getattr(CUDA, field))} |")
     major, minor = MIN_COMPUTE_CAPABILITY
     rows.append(f"| device | any x86-64 CPU (AVX2 or AVX-512 kernels when present) | compute capability "
