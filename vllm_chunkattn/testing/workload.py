@@ -148,6 +148,7 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
             {
                 "group": req.group,
                 "prompt_tokens": len(out.prompt_token_ids),
+                "prompt_token_ids": list(out.prompt_token_ids),
                 "tokens": list(completion.token_ids),
                 "text": completion.text,
                 "top_logprobs": [[[tok, lp] for lp, tok in step] for step in top],
