@@ -2,7 +2,7 @@
 
 Two lines report it: one every `period_s` while decoding (for whoever watches
 a running server) and one with the totals of the whole run when the process
-that runs the model exits (`parse_run_summary` reads it back, so tests and
+that runs the model exits (`parse_run_summaries` reads it back, so tests and
 scripts see the same numbers a user sees).
 """
 
@@ -31,7 +31,7 @@ class DecodeTotals:
     nodes: int = 0
     context_tokens: int = 0  # KV token reads without sharing: the sum of the decode requests' seq lens
     saved_tokens: int = 0  # of those, reads the tree served once for several requests
-    tree_builds: int = 0  # of the cache behind the tree, at the last step
+    tree_builds: int = 0  # the tree cache's counters as of the last step
     tree_lookups: int = 0
 
     def add(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int) -> None:

@@ -1,7 +1,8 @@
 """Engine runs of the workloads, one process each, as a user would start them
 (`python -m vllm_chunkattn.testing.workload`), and the configurations compared.
 A run's record carries what the backend logged about sharing (the whole-run
-summary of backend/stats.py, written when the engine-core process exits)."""
+summary of backend/stats.py, written when the process that runs the model,
+a vLLM worker, exits)."""
 
 from __future__ import annotations
 
