@@ -91,24 +91,89 @@ def test_cudagraph_support_is_declared_honestly():
     assert ChunkAttentionMetadataBuilder.get_cudagraph_support(None, Spec()) == AttentionCGSupport.NEVER
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_fit_context_keeps_results_exact(seed):
-    rng = np.random.default_rng(seed)
-    block_size = 4
-    table, seq_lens = random_forest(rng, 14, block_size, max_shared_blocks=5)
-    if seed % 2:
-        table, seq_lens = multi_level(12, [(1, 8), (3, 8), (2, 4)], private=6, block_size=block_size)
-    full = prefix_tree(table, seq_lens, block_size)
+FIT_BLOCK_SIZE = 4
+# Deep trees: random forests (5 to 8 nodes) and a three-level tree (10 nodes).
+FIT_TREES = {
+    **{f"forest{seed}": (seed, None) for seed in (0, 1, 2, 4)},
+    "three-levels": (0, [(1, 8), (3, 8), (2, 4)]),
+}
+
+
+def fit_tree(name: str):
+    seed, levels = FIT_TREES[name]
+    if levels is None:
+        table, seq_lens = random_forest(np.random.default_rng(seed), 14, FIT_BLOCK_SIZE, max_shared_blocks=5)
+    else:
+        table, seq_lens = multi_level(12, levels, private=6, block_size=FIT_BLOCK_SIZE)
+    full = prefix_tree(table, seq_lens, FIT_BLOCK_SIZE)
+    assert full.num_nodes >= 3, "the case must be deep enough to be cut"
+    return table, seq_lens, full
+
+
+def nodes_of(ctx) -> list[tuple[int, int, int, int]]:
+    """(begin, end, chunk_begin, chunk_end) per node."""
+    return list(zip(ctx.node_begin.tolist(), ctx.node_end.tolist(), ctx.node_chunk_begin.tolist(),
+                    ctx.node_chunk_end.tolist()))
+
+
+def assert_decodes_exactly(table, seq_lens, ctx, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    kv = random_kv_cache(num_blocks_needed(table), 2, block_size, 16, torch.float32, generator=gen)
+    kv = random_kv_cache(num_blocks_needed(table), 2, FIT_BLOCK_SIZE, 16, torch.float32, generator=gen)
     query = torch.randn(table.shape[0], 4, 16, generator=gen)
     expected = reference.paged_attention(query, kv, torch.arange(table.shape[0] + 1), seq_lens, table, 0.3)
-    for max_nodes, max_rows in ((1, 100), (2, 6), (100, 3), (0, 0)):
-        ctx = fit_context(full, max_nodes, max_rows)
-        assert ctx.num_nodes <= max(max_nodes, 0) and ctx.num_partial_rows <= max_rows or ctx is full
-        # shared chunks stay a prefix covered by kept nodes, so results stay exact
-        out = torch_fallback.tpp_decode(query, kv, table, seq_lens, ctx, 0.3)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out = torch_fallback.tpp_decode(query, kv, table, seq_lens, ctx, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tree", list(FIT_TREES))
+def test_fit_context_returns_a_tree_that_fits_unchanged(tree):
+    _, _, full = fit_tree(tree)
+    assert fit_context(full, full.num_nodes, full.num_partial_rows) is full
+    assert fit_context(full, full.num_nodes + 5, full.num_partial_rows + 50) is full
+
+
+# Capacities as a function of the full tree's (nodes, partial rows): each is too small for it.
+CUTS = {
+    "one-node-short": lambda nodes, rows: (nodes - 1, rows),
+    "one-row-short": lambda nodes, rows: (nodes, rows - 1),
+    "top-node-only": lambda nodes, rows: (1, rows),
+    "half-the-rows": lambda nodes, rows: (nodes, rows // 2),
+    "no-capacity": lambda nodes, rows: (0, 0),
+}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+@pytest.mark.parametrize("tree", list(FIT_TREES))
+def test_fit_context_cuts_a_tree_too_large(tree, cut):
+    table, seq_lens, full = fit_tree(tree)
+    max_nodes, max_rows = CUTS[cut](full.num_nodes, full.num_partial_rows)
+    ctx = fit_context(full, max_nodes, max_rows)
+    assert ctx is not full
+    assert ctx.num_nodes < full.num_nodes
+    assert ctx.num_nodes <= max_nodes and ctx.num_partial_rows <= max_rows
+    assert int(ctx.row_partial_offsets[-1]) == ctx.num_partial_rows == int((ctx.node_end - ctx.node_begin).sum())
+    assert torch.equal(ctx.order, full.order)
+    kept = nodes_of(ctx)
+    assert set(kept) <= set(nodes_of(full))  # nodes are kept whole or dropped
+    # Every request's shared chunks are still a prefix of its chunks: the kept
+    # nodes covering it tile chunks [0, shared) without a gap.
+    position = {row: pos for pos, row in enumerate(ctx.order.tolist())}
+    for row, shared in enumerate(ctx.shared_chunks.tolist()):
+        ranges = sorted((cb, ce) for b, e, cb, ce in kept if b <= position[row] < e)
+        covered = 0
+        for chunk_begin, chunk_end in ranges:
+            assert chunk_begin == covered, (row, ranges)
+            covered = chunk_end
+        assert shared == covered <= int(full.shared_chunks[row])
+    # A dropped node covered at least two requests: they lost shared chunks.
+    assert int(ctx.shared_chunks.sum()) < int(full.shared_chunks.sum())
+    assert_decodes_exactly(table, seq_lens, ctx, seed=len(kept))
+
+
+@pytest.mark.parametrize("tree", list(FIT_TREES))
+def test_full_tree_decodes_exactly(tree):
+    table, seq_lens, full = fit_tree(tree)
+    assert_decodes_exactly(table, seq_lens, full, seed=full.num_nodes)
 
 
 def test_device_tree_buffers_copy_only_when_the_tree_changes():

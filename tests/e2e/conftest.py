@@ -1,5 +1,5 @@
-"""Shared fixtures: engine runs of the shared-prefix workload, cached for the
-whole session (an engine start costs about a minute here)."""
+"""Shared fixtures: engine runs of the workloads, cached for the whole
+session (an engine start costs about a minute here)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from vllm_chunkattn.testing.e2e_runs import run_workload
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(name: str, backend: str) -> dict:
-        if (name, backend) not in cache:
-            cache[(name, backend)] = run_workload(tmp_path_factory, name, backend)
-        return cache[(name, backend)]
+    def get(name: str, backend: str, workload: str = "shared-prefix") -> dict:
+        key = (name, backend, workload)
+        if key not in cache:
+            cache[key] = run_workload(tmp_path_factory, name, backend, workload)
+        return cache[key]
 
     return get
 

@@ -11,6 +11,8 @@ KV cache small enough to force preemption and recompute.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_chunkattn.testing.compare import compare_runs
@@ -50,3 +52,52 @@ def test_workload_exercised_what_it_claims(runs):
     # Outputs vary: an equality test on one repeated token would prove little.
     tokens = [t for r in runs(name, "stock")["results"] for t in r["tokens"]]
     assert len(set(tokens)) > len(tokens) / 4
+
+
+def shared_prompt_tokens(token_lists: list[list[int]]) -> int:
+    """Length of the token prefix every list starts with."""
+    return len(os.path.commonprefix(token_lists))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunk_reports_sharing_on_the_shared_prefix_workload(runs, name):
+    stock, chunk = runs(name, "stock"), runs(name, "chunk")
+    assert "CHUNK prefix tree" not in stock["log"] and stock["decode_summaries"] == []
+    summaries = chunk["decode_summaries"]
+    assert len(summaries) == 1, "one whole-run line from the one metadata builder expected:\n" + chunk["log"][-3000:]
+    summary = summaries[0]
+    block_size = chunk["settings"]["block_size"]
+    # Every request but the short ones starts with the system prompt; its full
+    # chunks are what any two decode requests at least share.
+    long_requests = [r for r in chunk["results"] if r["group"] != "short"]
+    shared_tokens = shared_prompt_tokens([r["prompt_token_ids"] for r in long_requests])
+    system_chunk_tokens = shared_tokens // block_size * block_size
+    longest_context = max(r["prompt_tokens"] + len(r["tokens"]) for r in long_requests)
+    # Lower bound: as if every decode step were a pair of requests sharing only
+    # the system prompt's full chunks, both at the longest context. The run
+    # decodes up to max_num_seqs requests at a time, and a group's requests
+    # share its document too, so a run that shares as the workload does lies
+    # well above; one that shares only now and then does not.
+    min_share = system_chunk_tokens / (2 * longest_context)
+    print(name, summary, f"lower bound {min_share:.3f}")
+    assert system_chunk_tokens >= 2 * block_size  # the workload has chunks to share at this block size
+    assert summary.steps > 0 and 1 <= summary.mean_batch <= chunk["settings"]["max_num_seqs"]
+    assert summary.mean_nodes > 0
+    assert summary.served_once_share >= min_share, (summary, min_share)
+
+
+def test_chunk_reports_no_sharing_without_shared_prefixes(runs):
+    name = "float32-gqa-d64-block32-preempt"
+    record = runs(name, "chunk", workload="distinct-prompts")
+    block_size = record["settings"]["block_size"]
+    prompts = [r["prompt_token_ids"] for r in record["results"]]
+    # Every prompt fills a chunk, and they part after the first token (the BOS token every prompt starts with).
+    assert min(len(p) for p in prompts) >= block_size
+    assert shared_prompt_tokens(prompts) <= 1
+    summaries = record["decode_summaries"]
+    assert len(summaries) == 1, record["log"][-3000:]
+    summary = summaries[0]
+    print(name, "distinct prompts", summary)
+    # Requests decoded together, so a tree could have found (false) sharing.
+    assert summary.steps > 0 and summary.mean_batch > 1
+    assert summary.mean_nodes == 0 and summary.saved_tokens == 0 and summary.served_once_share == 0

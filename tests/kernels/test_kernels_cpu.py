@@ -4,10 +4,12 @@ Every decode batch is a random prefix tree over the block tables: runs of
 shared chunks at up to 4 levels, groups splitting at each level, private
 chunks, partially filled last chunks, requests whose whole context is shared
 full chunks, batch rows shuffled so tree order != batch order. The compiled
-ops are checked on every SIMD build this CPU supports (CHUNKATTN_CPU_ISA), the
-torch kernels on the same cases; all against `reference.paged_attention`,
-computed in float64 from the same low-precision cache and queries and rounded
-to the dtype.
+ops are checked on each SIMD build of csrc/cpu (CHUNKATTN_CPU_ISA), on every
+(dtype, head size) pair the CPU kernels support; a build this CPU lacks is
+skipped with the missing CPU flags as the reason (`pytest -rs` prints it).
+The torch kernels run on the same kind of cases; all against
+`reference.paged_attention`, computed in float64 from the same low-precision
+cache and queries and rounded to the dtype.
 
 Tolerances (max abs error, relative to the output's scale s = max(1, max|ref|)):
     float32   atol 1e-5 * s, rtol 1e-4 (elementwise, torch.testing)
@@ -27,12 +29,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vllm_chunkattn.kernels import ops
-from vllm_chunkattn.testing import reference
-from vllm_chunkattn.kernels import torch_fallback
+from vllm_chunkattn.kernels import ops, torch_fallback
+from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix import tree
+from vllm_chunkattn.testing import reference
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(CPU.dtypes)
+HEAD_SIZES = list(CPU.head_sizes)
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 0.0), torch.bfloat16: (2e-2, 0.0)}
 
 SETTINGS = settings(
@@ -42,16 +45,49 @@ SETTINGS = settings(
 )
 
 
-def _supported_isas() -> list[str]:
-    isas = []
-    for isa in ("avx512bf16", "avx512", "avx2", "scalar"):
-        with _isa(isa):
-            try:
-                torch.ops.chunkattn.cpu_isa()
-            except RuntimeError:
-                continue
-        isas.append(isa)
-    return isas
+# The SIMD builds of csrc/cpu and the CPU flags (/proc/cpuinfo names) each
+# needs: what best_isa() in csrc/cpu/kernels.cpp asks the CPU for.
+ISA_CPU_FLAGS = {
+    "avx512bf16": ("avx512f", "avx512bw", "avx512_bf16"),
+    "avx512": ("avx512f",),
+    "avx2": ("avx2", "fma", "f16c"),
+    "scalar": (),
+}
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's flags, or None where /proc/cpuinfo does not list them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+CPU_FLAGS = _cpu_flags()
+
+
+def _isa_runs_here(isa: str) -> bool:
+    """Whether the compiled kernels accept CHUNKATTN_CPU_ISA=isa on this CPU."""
+    with _isa(isa):
+        try:
+            return torch.ops.chunkattn.cpu_isa() == isa
+        except RuntimeError:
+            return False
+
+
+def _isa_param(isa: str):
+    if _isa_runs_here(isa):
+        return pytest.param(isa, id=isa)
+    if CPU_FLAGS is None:
+        reason = f"CPU ISA {isa}: this CPU lacks one of {', '.join(ISA_CPU_FLAGS[isa])} (the kernels' CPU check)"
+    else:
+        missing = [flag for flag in ISA_CPU_FLAGS[isa] if flag not in CPU_FLAGS]
+        reason = f"CPU ISA {isa}: this CPU lacks {', '.join(missing) or 'none of its flags (see ISA_CPU_FLAGS)'}"
+    return pytest.param(isa, id=isa, marks=pytest.mark.skip(reason=reason))
 
 
 @contextlib.contextmanager
@@ -70,7 +106,19 @@ def _isa(name: str | None):
             os.environ["CHUNKATTN_CPU_ISA"] = old
 
 
-ISAS = _supported_isas()
+ISAS = [_isa_param(isa) for isa in ISA_CPU_FLAGS]
+DTYPE_PARAMS = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in DTYPES]
+
+
+def test_isa_flags_match_the_kernels_cpu_check():
+    """The skip reasons name CPU flags: they must be the ones the kernels check."""
+    if CPU_FLAGS is None:
+        pytest.skip("/proc/cpuinfo lists no CPU flags here")
+    for isa, flags in ISA_CPU_FLAGS.items():
+        assert _isa_runs_here(isa) == all(flag in CPU_FLAGS for flag in flags), isa
+    widest = next(isa for isa, flags in ISA_CPU_FLAGS.items() if all(flag in CPU_FLAGS for flag in flags))
+    with _isa(None):
+        assert torch.ops.chunkattn.cpu_isa() == widest
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -139,9 +187,9 @@ def materialise(paths, lens, block_size: int, seed: int, extra_cols: int):
 
 
 @st.composite
-def decode_cases(draw, max_batch: int = 64):
-    dtype = draw(st.sampled_from(DTYPES))
-    head_size = draw(st.sampled_from([64, 128]))
+def decode_cases(draw, max_batch: int = 64, dtypes=tuple(DTYPES), head_sizes=tuple(HEAD_SIZES)):
+    dtype = draw(st.sampled_from(dtypes))
+    head_size = draw(st.sampled_from(head_sizes))
     block_size = draw(st.sampled_from([16, 32, 64, 128]))
     group = draw(st.integers(1, 8))
     num_kv_heads = draw(st.sampled_from([1, 2]))
@@ -173,28 +221,37 @@ def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.full((b, h, d + pad), float("nan"), dtype=like.dtype)[..., :d]
 
 
-def assert_on_every_isa(op, like: torch.Tensor, pad: int, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """Run `op(out)` on each SIMD build of the CPU kernels, into a NaN-filled
-    output shaped like `like` (rows strided by `pad`), and check each result."""
-    for isa in ISAS:
-        with _isa(isa):
-            out = _strided_out(like, pad)
-            op(out)
-        assert_close(out, ref, dtype, f"{what} [{isa}]")
+def assert_on_isa(isa: str, op, like: torch.Tensor, pad: int, ref: torch.Tensor, dtype: torch.dtype,
+                  what: str) -> None:
+    """Run `op(out)` on SIMD build `isa` of the CPU kernels, into a NaN-filled
+    output shaped like `like` (rows strided by `pad`), and check the result."""
+    with _isa(isa):
+        assert torch.ops.chunkattn.cpu_isa() == isa
+        out = _strided_out(like, pad)
+        op(out)
+    assert_close(out, ref, dtype, f"{what} [{isa}]")
+
+
+# Per (ISA, dtype, head size): a share of the examples a single property test gets.
+PER_COMBINATION = settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 4))
 
 
 # ---------------------------------------------------------------------------
 # Decode
 
 
-@SETTINGS
-@given(case=decode_cases())
-def test_tpp_decode_matches_reference(case):
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@PER_COMBINATION
+@given(data=st.data())
+def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
+    case = data.draw(decode_cases(dtypes=(dtype,), head_sizes=(head_size,)))
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     ref = _decode_reference(case)
-    assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
-                                                   case["seq_lens"], ctx, case["scale"], out),
-                        case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}")
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                  case["seq_lens"], ctx, case["scale"], out),
+                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}")
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -218,9 +275,10 @@ def _one_big_node(batch, num_kv_heads, group, chunks, block_size=64, head_size=1
     return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (1, 8), (2, 4), (8, 1)])
-def test_tpp_decode_one_big_shared_node(threads, num_kv_heads, group):
+def test_tpp_decode_one_big_shared_node(isa, threads, num_kv_heads, group):
     """One node with many chunks and few kv heads: phase 1 splits the node's chunks over the threads."""
     case = _one_big_node(batch=6, num_kv_heads=num_kv_heads, group=group, chunks=24)
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
@@ -229,23 +287,24 @@ def test_tpp_decode_one_big_shared_node(threads, num_kv_heads, group):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
-                                                       case["seq_lens"], ctx, case["scale"], out),
-                            case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
+        assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                      case["seq_lens"], ctx, case["scale"], out),
+                      case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
     finally:
         torch.set_num_threads(old)
 
 
-def test_tpp_decode_all_context_shared():
+@pytest.mark.parametrize("isa", ISAS)
+def test_tpp_decode_all_context_shared(isa):
     """seq_len a multiple of the block size and every chunk shared: no private token at all."""
     case = _one_big_node(batch=4, num_kv_heads=2, group=2, chunks=3, tail=0)
     case["block_table"] = case["block_table"][:, :3].contiguous()
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
     assert ctx.shared_chunks.tolist() == [3] * 4
     ref = _decode_reference(case)
-    assert_on_every_isa(lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
-                                                   case["seq_lens"], ctx, case["scale"], out),
-                        case["query"], 0, ref, case["dtype"], "tpp_decode")
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
+                                                  case["seq_lens"], ctx, case["scale"], out),
+                  case["query"], 0, ref, case["dtype"], "tpp_decode")
 
 
 def test_tpp_decode_rejects_unsupported_head_size():
@@ -261,8 +320,8 @@ def test_tpp_decode_rejects_unsupported_head_size():
 
 
 @st.composite
-def prefill_cases(draw):
-    case = draw(decode_cases(max_batch=6))
+def prefill_cases(draw, dtypes=tuple(DTYPES), head_sizes=tuple(HEAD_SIZES)):
+    case = draw(decode_cases(max_batch=6, dtypes=dtypes, head_sizes=head_sizes))
     lens = case["seq_lens"].tolist()
     # New tokens per request: all of the context (plain prefill), one, or some (chunked / prefix hit).
     num_new = [draw(st.one_of(st.just(n), st.just(1), st.integers(0, min(n, 200)))) for n in lens]
@@ -281,13 +340,17 @@ def _prefill_reference(case):
                                      case["block_table"], case["scale"])
 
 
-@SETTINGS
-@given(case=prefill_cases())
-def test_paged_prefill_matches_reference(case):
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@PER_COMBINATION
+@given(data=st.data())
+def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
+    case = data.draw(prefill_cases(dtypes=(dtype,), head_sizes=(head_size,)))
     ref = _prefill_reference(case)
-    assert_on_every_isa(lambda out: ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"],
-                                                      case["seq_lens"], case["block_table"], case["scale"], out),
-                        case["query"], case["pad"], ref, case["dtype"], "paged_prefill")
+    assert_on_isa(isa, lambda out: ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"],
+                                                     case["seq_lens"], case["block_table"], case["scale"], out),
+                  case["query"], case["pad"], ref, case["dtype"], "paged_prefill")
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -299,7 +362,8 @@ def test_torch_paged_prefill_matches_reference(case):
     assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.paged_prefill")
 
 
-def test_paged_prefill_request_without_new_tokens():
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_prefill_request_without_new_tokens(isa):
     """A request with no new token (num_new = 0) between two that have some: nothing to do for it."""
     gen = torch.Generator().manual_seed(2)
     kv = torch.randn(6, 2, 16, 128, generator=gen)
@@ -309,11 +373,12 @@ def test_paged_prefill_request_without_new_tokens():
     query = torch.randn(7, 4, 64, generator=gen)
     case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl, scale=0.125)
     ref = _prefill_reference(case)
-    assert_on_every_isa(lambda out: ops.paged_prefill(query, kv, qsl, lens, table, 0.125, out),
-                        query, 0, ref, torch.float32, "paged_prefill")
+    assert_on_isa(isa, lambda out: ops.paged_prefill(query, kv, qsl, lens, table, 0.125, out),
+                  query, 0, ref, torch.float32, "paged_prefill")
 
 
-def test_paged_prefill_int64_metadata_and_long_prompt():
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_prefill_int64_metadata_and_long_prompt(isa):
     """vLLM-style int64 metadata; a prompt longer than one query tile and one key tile."""
     gen = torch.Generator().manual_seed(1)
     block_size, head_size, kv_heads, group = 32, 128, 2, 4
@@ -326,8 +391,8 @@ def test_paged_prefill_int64_metadata_and_long_prompt():
     case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int64),
                 query_start_loc=qsl, scale=head_size**-0.5)
     ref = _prefill_reference(case)
-    assert_on_every_isa(lambda out: ops.paged_prefill(query, kv, qsl, case["seq_lens"], table, case["scale"], out),
-                        query, 0, ref, torch.float32, "paged_prefill")
+    assert_on_isa(isa, lambda out: ops.paged_prefill(query, kv, qsl, case["seq_lens"], table, case["scale"], out),
+                  query, 0, ref, torch.float32, "paged_prefill")
 
 
 # ---------------------------------------------------------------------------
@@ -337,7 +402,7 @@ def test_paged_prefill_int64_metadata_and_long_prompt():
 @settings(SETTINGS, max_examples=30)
 @given(
     dtype=st.sampled_from(DTYPES),
-    head_size=st.sampled_from([64, 128]),
+    head_size=st.sampled_from(HEAD_SIZES),
     block_size=st.sampled_from([16, 32, 64, 128]),
     num_kv_heads=st.integers(1, 4),
     num_tokens=st.integers(1, 80),

@@ -1,8 +1,17 @@
-"""The backend's logger, and what the prefix tree saved, for the engine log."""
+"""The backend's logger, and what the prefix tree saved, for the engine log.
+
+Two lines report it: one every `period_s` while decoding (for whoever watches
+a running server) and one with the totals of the whole run when the process
+that runs the model exits (`parse_run_summaries` reads it back, so tests and
+scripts see the same numbers a user sees).
+"""
 
 from __future__ import annotations
 
+import re
 import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 from vllm.logger import init_logger
@@ -13,30 +22,113 @@ from vllm_chunkattn.prefix.tree import PrefixTreeContext
 logger = init_logger("vllm.chunkattn.backend")  # in vLLM's hierarchy, see plugin.py
 
 
-class DecodeStats:
-    """What the prefix tree saved, logged every `period_s` while decoding."""
+@dataclass
+class DecodeTotals:
+    """Sums over decode steps."""
 
-    def __init__(self, block_size: int, period_s: float = 10.0) -> None:
-        self.block_size = block_size
-        self.period_s = period_s
-        self._reset(time.monotonic())
+    steps: int = 0
+    requests: int = 0
+    nodes: int = 0
+    context_tokens: int = 0  # KV token reads without sharing: the sum of the decode requests' seq lens
+    saved_tokens: int = 0  # of those, reads the tree served once for several requests
+    tree_builds: int = 0  # the tree cache's counters as of the last step
+    tree_lookups: int = 0
 
-    def _reset(self, now: float) -> None:
-        self.since = now
-        self.steps = self.requests = self.nodes = self.context_tokens = self.saved_tokens = 0
-
-    def record(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, builds: int, lookups: int) -> None:
+    def add(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int) -> None:
         self.steps += 1
         self.requests += len(seq_lens)
         self.nodes += tree.num_nodes
         self.context_tokens += int(seq_lens.sum())
-        self.saved_tokens += tree.reused_tokens(self.block_size)
+        self.saved_tokens += tree.reused_tokens(block_size)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.requests / max(self.steps, 1)
+
+    @property
+    def mean_nodes(self) -> float:
+        return self.nodes / max(self.steps, 1)
+
+    @property
+    def served_once_share(self) -> float:
+        return self.saved_tokens / max(self.context_tokens, 1)
+
+
+_RUN_SUMMARY = (
+    "{name} prefix tree, whole run: {steps} decode steps, mean batch {mean_batch:.1f}, mean {mean_nodes:.2f} shared "
+    "nodes, decode KV token reads served once per batch: {saved} of {total} ({share:.1f}%); tree rebuilt in "
+    "{builds} of {lookups} steps"
+)
+_RUN_SUMMARY_PATTERN = re.compile(
+    re.escape(BACKEND_NAME) + r" prefix tree, whole run: (\d+) decode steps, mean batch ([\d.]+), mean ([\d.]+) "
+    r"shared nodes, decode KV token reads served once per batch: (\d+) of (\d+) "
+)
+
+
+def format_run_summary(totals: DecodeTotals) -> str:
+    return _RUN_SUMMARY.format(
+        name=BACKEND_NAME, steps=totals.steps, mean_batch=totals.mean_batch, mean_nodes=totals.mean_nodes,
+        saved=totals.saved_tokens, total=totals.context_tokens, share=100.0 * totals.served_once_share,
+        builds=totals.tree_builds, lookups=totals.tree_lookups,
+    )
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The whole-run line read back from a log."""
+
+    steps: int
+    mean_batch: float
+    mean_nodes: float
+    saved_tokens: int
+    context_tokens: int
+
+    @property
+    def served_once_share(self) -> float:
+        return self.saved_tokens / max(self.context_tokens, 1)
+
+
+def parse_run_summaries(log_text: str) -> list[RunSummary]:
+    """Every whole-run line in `log_text`: one per metadata builder that decoded
+    (one per KV cache group and model-running process)."""
+    return [
+        RunSummary(int(steps), float(batch), float(nodes), int(saved), int(total))
+        for steps, batch, nodes, saved, total in _RUN_SUMMARY_PATTERN.findall(log_text)
+    ]
+
+
+def _log_run_summary(totals: DecodeTotals) -> None:
+    if totals.steps:
+        logger.info(format_run_summary(totals))
+
+
+class DecodeStats:
+    """What the prefix tree saved: logged every `period_s` while decoding, and
+    for the whole run when this object goes away (at the latest when the
+    process exits: vLLM's engine core and workers exit normally on shutdown)."""
+
+    def __init__(self, block_size: int, period_s: float = 10.0) -> None:
+        self.block_size = block_size
+        self.period_s = period_s
+        self.run = DecodeTotals()
+        weakref.finalize(self, _log_run_summary, self.run)
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.window = DecodeTotals()
+
+    def record(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, builds: int, lookups: int) -> None:
+        self.window.add(tree, seq_lens, self.block_size)
+        self.run.add(tree, seq_lens, self.block_size)
+        self.run.tree_builds, self.run.tree_lookups = builds, lookups
         now = time.monotonic()
         if now - self.since >= self.period_s:
+            window = self.window
             logger.info(
                 "%s prefix tree: %d decode steps, mean batch %.1f, mean %.1f shared nodes; "
                 "%.0f%% of decode KV reads served once per batch; tree rebuilt in %d of %d steps so far",
-                BACKEND_NAME, self.steps, self.requests / self.steps, self.nodes / self.steps,
-                100.0 * self.saved_tokens / max(self.context_tokens, 1), builds, lookups,
+                BACKEND_NAME, window.steps, window.mean_batch, window.mean_nodes,
+                100.0 * window.served_once_share, builds, lookups,
             )
             self._reset(now)

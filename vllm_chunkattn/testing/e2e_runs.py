@@ -1,11 +1,16 @@
-"""Engine runs of the shared-prefix workload, one process each, as a user would
-start them (`python -m vllm_chunkattn.testing.workload`), and the configurations compared."""
+"""Engine runs of the workloads, one process each, as a user would start them
+(`python -m vllm_chunkattn.testing.workload`), and the configurations compared.
+A run's record carries what the backend logged about sharing (the whole-run
+summary of backend/stats.py, written when the process that runs the model,
+a vLLM worker, exits)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+from vllm_chunkattn.backend.stats import parse_run_summaries
 
 # name: (model, dtype, block size, KV blocks or None, logprob tolerance, near-tie threshold)
 CONFIGS = {
@@ -15,11 +20,11 @@ CONFIGS = {
 }
 
 
-def run_workload(tmp_path_factory, name: str, backend: str) -> dict:
+def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "shared-prefix") -> dict:
     model, dtype, block_size, num_blocks, _, _ = CONFIGS[name]
-    out = tmp_path_factory.mktemp(name) / f"{backend}.json"
-    cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--model-name", model, "--backend", backend,
-           "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
+    out = tmp_path_factory.mktemp(name) / f"{workload}-{backend}.json"
+    cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--workload", workload, "--model-name", model,
+           "--backend", backend, "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
     if num_blocks:
         cmd += ["--num-blocks", str(num_blocks)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -27,4 +32,5 @@ def run_workload(tmp_path_factory, name: str, backend: str) -> dict:
     log = done.stdout + done.stderr
     record = json.loads(out.read_text())
     record["log"] = log
+    record["decode_summaries"] = parse_run_summaries(log)
     return record

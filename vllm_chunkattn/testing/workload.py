@@ -1,11 +1,12 @@
-"""A shared-prefix workload, and a runner that serves it through one vLLM
-engine and records what came out.
+"""Workloads, and a runner that serves one through one vLLM engine and
+records what came out.
 
 The workload has prefixes shared at several levels, as LLM services see them:
 one system prompt for every request, then per group a shared document, then
 a unique question. It also has a prompt that is an exact prefix of another,
 prompts shorter than one chunk, and different output lengths, so requests
-join and leave the running batch at different times.
+join and leave the running batch at different times. Its counterpart shares
+no prefix at all (distinct first words), so nothing may be shared.
 
     python -m vllm_chunkattn.testing.workload --backend chunk --out results.json
 
@@ -65,6 +66,14 @@ def shared_prefix_workload(
     return requests
 
 
+def distinct_prompts_workload(num_requests: int = 4, words: int = 40, seed: int = 2) -> list[Request]:
+    """Prompts of a few chunks each that differ from their first word on, so no
+    two share a KV block; as many as decode together (max_num_seqs)."""
+    rng = random.Random(seed)
+    first_words = rng.sample(WORDS, num_requests)
+    return [Request(f"{first} " + _text(rng, words), 12, "distinct") for first in first_words]
+
+
 def chat_conversations() -> list[list[dict]]:
     """Two conversations that share a system message, for the chat endpoint."""
     rng = random.Random(1)
@@ -91,8 +100,9 @@ class EngineSettings:
     logprobs: int = 2
 
 
-def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
-    """Serve `requests` through one engine; tokens, logprobs and counters."""
+def run_offline(settings: EngineSettings, requests: list[Request], chat: list[list[dict]] | None = None) -> dict:
+    """Serve `requests` (then the `chat` conversations, if any) through one
+    engine; tokens, logprobs and counters."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
@@ -124,10 +134,9 @@ def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
     started = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     generate_s = time.perf_counter() - started
-    chat = llm.chat(
-        chat_conversations(), SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS, ignore_eos=True),
-        use_tqdm=False,
-    )
+    chat_outputs = llm.chat(
+        chat, SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS, ignore_eos=True), use_tqdm=False,
+    ) if chat else []
     results = []
     for req, out in zip(requests, outputs):
         completion = out.outputs[0]
@@ -139,6 +148,7 @@ def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
             {
                 "group": req.group,
                 "prompt_tokens": len(out.prompt_token_ids),
+                "prompt_token_ids": list(out.prompt_token_ids),
                 "tokens": list(completion.token_ids),
                 "text": completion.text,
                 "top_logprobs": [[[tok, lp] for lp, tok in step] for step in top],
@@ -150,7 +160,7 @@ def run_offline(settings: EngineSettings, requests: list[Request]) -> dict:
         "generate_s": generate_s,
         "counters": _counters(llm),
         "results": results,
-        "chat": [out.outputs[0].text for out in chat],
+        "chat": [out.outputs[0].text for out in chat_outputs],
     }
 
 
@@ -163,8 +173,16 @@ def _counters(llm) -> dict:
     return counters
 
 
+# name: (requests, chat conversations or None)
+WORKLOADS = {
+    "shared-prefix": (shared_prefix_workload, chat_conversations),
+    "distinct-prompts": (distinct_prompts_workload, None),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the shared-prefix workload through one vLLM engine.")
+    parser = argparse.ArgumentParser(description="Run a workload through one vLLM engine.")
+    parser.add_argument("--workload", default="shared-prefix", choices=list(WORKLOADS))
     parser.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
     parser.add_argument("--backend", default="chunk", choices=["chunk", "stock"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -188,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks,
     )
-    record = run_offline(settings, shared_prefix_workload())
+    make_requests, make_chat = WORKLOADS[args.workload]
+    record = run_offline(settings, make_requests(), make_chat() if make_chat else None)
     with open(args.out, "w") as f:
         json.dump(record, f)
     return 0

@@ -1,0 +1,148 @@
+"""build() on synthetic vLLM batch metadata (CPU): the decode/prefill split,
+the prefill query start locations rebased to 0, the prefill rows, and the
+prefix tree over exactly the decode requests; what it records for the log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from vllm.config import CacheConfig, VllmConfig
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from vllm_chunkattn.backend import ChunkAttentionMetadataBuilder
+from vllm_chunkattn.backend.stats import DecodeTotals, format_run_summary, parse_run_summaries
+
+BLOCK_SIZE = 32
+PADDING_ROWS = 2  # vLLM's block table tensor may have rows past the batch
+
+
+@dataclass
+class Req:
+    blocks: list[int]
+    seq_len: int
+    query_len: int  # new tokens this step: 1 for a decode
+
+
+# Decode requests: rows 0 and 1 share their first two chunks (blocks 1, 2),
+# row 2 shares only the first (block 1); each ends in a private partial chunk.
+DECODES = [Req([1, 2, 3], 70, 1), Req([1, 2, 4], 80, 1), Req([1, 5], 40, 1)]
+# The tree over DECODES as (batch rows covered, first chunk, one past the last chunk).
+DECODE_NODES = {(frozenset({0, 1, 2}), 0, 1), (frozenset({0, 1}), 1, 2)}
+# Prefill requests: a chunk of a longer prompt and a whole prompt. Their first
+# chunk is block 1 too, which must not put them into the decode tree.
+PREFILLS = [Req([1, 6], 50, 20), Req([7, 8], 64, 64)]
+
+
+def make_builder() -> ChunkAttentionMetadataBuilder:
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    config = VllmConfig(cache_config=CacheConfig(enable_prefix_caching=True))
+    return ChunkAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+
+
+def batch_metadata(reqs: list[Req]) -> CommonAttentionMetadata:
+    """What vLLM's CPU model runner passes for this batch (decodes first)."""
+    width = max(len(r.blocks) for r in reqs) + 1
+    table = torch.zeros(len(reqs) + PADDING_ROWS, width, dtype=torch.int32)
+    for i, r in enumerate(reqs):
+        table[i, : len(r.blocks)] = torch.tensor(r.blocks)
+    query_lens = torch.tensor([r.query_len for r in reqs])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
+    num_tokens = int(query_lens.sum())
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=torch.tensor([r.seq_len for r in reqs], dtype=torch.int32),
+        num_reqs=len(reqs),
+        num_actual_tokens=num_tokens,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=max(r.seq_len for r in reqs),
+        block_table_tensor=table,
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64),
+    )
+
+
+def tree_nodes(tree) -> set[tuple[frozenset[int], int, int]]:
+    """Each node as (batch rows it covers, chunk range)."""
+    order = tree.order.tolist()
+    return {
+        (frozenset(order[b:e]), cb, ce)
+        for b, e, cb, ce in zip(tree.node_begin.tolist(), tree.node_end.tolist(), tree.node_chunk_begin.tolist(),
+                                tree.node_chunk_end.tolist())
+    }
+
+
+def assert_prefills(meta, cm: CommonAttentionMetadata, prefills: list[Req], num_decodes: int) -> None:
+    expected_qsl = [0]
+    for r in prefills:
+        expected_qsl.append(expected_qsl[-1] + r.query_len)
+    assert meta.prefill_query_start_loc.tolist() == expected_qsl
+    assert meta.prefill_query_start_loc.dtype == torch.int32
+    assert meta.prefill_seq_lens.tolist() == [r.seq_len for r in prefills]
+    assert torch.equal(meta.prefill_block_table, cm.block_table_tensor[num_decodes : num_decodes + len(prefills)])
+
+
+def test_mixed_batch_splits_decodes_from_prefills():
+    builder = make_builder()
+    cm = batch_metadata(DECODES + PREFILLS)
+    meta = builder.build(0, cm)
+    assert meta.num_decodes == 3 and meta.num_decode_tokens == 3
+    assert meta.num_actual_tokens == 3 + 20 + 64
+    assert torch.equal(meta.slot_mapping, cm.slot_mapping)
+    assert torch.equal(meta.decode_block_table, cm.block_table_tensor[:3])
+    assert meta.decode_seq_lens.tolist() == [70, 80, 40]
+    # The prefill queries start right after the decode tokens; rebased to 0.
+    assert_prefills(meta, cm, PREFILLS, num_decodes=3)
+    # The tree covers exactly the decode requests.
+    assert sorted(meta.tree.order.tolist()) == [0, 1, 2]
+    assert tree_nodes(meta.tree) == DECODE_NODES
+    assert meta.tree.shared_chunks.tolist() == [2, 2, 1]
+
+
+def test_pure_decode_batch():
+    builder = make_builder()
+    cm = batch_metadata(DECODES)
+    meta = builder.build(0, cm)
+    assert meta.num_decodes == 3 and meta.num_decode_tokens == 3
+    assert meta.decode_seq_lens.tolist() == [70, 80, 40]
+    assert tree_nodes(meta.tree) == DECODE_NODES
+    assert_prefills(meta, cm, [], num_decodes=3)
+
+
+@pytest.mark.parametrize("leading_query_len", [2, 64])
+def test_pure_prefill_batch(leading_query_len):
+    builder = make_builder()
+    prefills = [Req([9, 10], 60, leading_query_len)] + PREFILLS
+    cm = batch_metadata(prefills)
+    meta = builder.build(0, cm)
+    assert meta.num_decodes == 0 and meta.num_decode_tokens == 0
+    assert meta.tree is None and meta.decode_seq_lens.numel() == 0
+    assert_prefills(meta, cm, prefills, num_decodes=0)
+    assert builder.stats.run.steps == 0  # no decode step to report
+
+
+def test_decode_steps_are_recorded_for_the_log():
+    builder = make_builder()
+    builder.build(0, batch_metadata(DECODES + PREFILLS))
+    builder.build(0, batch_metadata(DECODES))
+    run = builder.stats.run
+    assert (run.steps, run.requests, run.nodes) == (2, 6, 4)
+    assert run.context_tokens == 2 * (70 + 80 + 40)
+    # Per step: chunk 0 read once for 3 requests, chunk 1 once for 2.
+    assert run.saved_tokens == 2 * (2 + 1) * BLOCK_SIZE
+    # The tree is unchanged between the steps: built once, looked up twice.
+    assert (run.tree_builds, run.tree_lookups) == (1, 2)
+
+
+def test_run_summary_reads_back():
+    totals = DecodeTotals(steps=7, requests=20, nodes=9, context_tokens=5000, saved_tokens=1234,
+                          tree_builds=3, tree_lookups=7)
+    line = "(Worker pid=1) INFO 11-23 07:19:51 [stats.py:102] " + format_run_summary(totals)
+    [summary] = parse_run_summaries("earlier line\n" + line + "\nlater line\n")
+    assert (summary.steps, summary.saved_tokens, summary.context_tokens) == (7, 1234, 5000)
+    assert summary.mean_batch == pytest.approx(20 / 7, abs=0.05)
+    assert summary.mean_nodes == pytest.approx(9 / 7, abs=0.005)
+    assert summary.served_once_share == pytest.approx(1234 / 5000)
+    assert parse_run_summaries("CHUNK prefix tree: 5 decode steps, mean batch 2.0, ...") == []  # the periodic line
