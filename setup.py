@@ -1,6 +1,7 @@
 """Builds the compiled kernels of vllm-chunkattn at install time.
 
-The CPU extension (csrc/cpu) is always built. The CUDA extension (csrc/cuda)
+The CPU extension (csrc/cpu) and the benchmark's machine-rate probe
+(csrc/bench, vllm_chunkattn.bench._machine) are always built. The CUDA extension (csrc/cuda)
 is built only when the installed torch has CUDA and nvcc is available; with a
 CPU torch it is skipped with a message, so `pip install` works on both kinds
 of host. CUDA architectures: TORCH_CUDA_ARCH_LIST, default "8.0 8.6 8.9
@@ -48,7 +49,15 @@ def _extensions():
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=["-fopenmp"],
-        )
+        ),
+        # The kernel benchmark's machine rates (peak FMA per ISA, read bandwidth):
+        # apart from the kernels, so that the roofline does not depend on them.
+        cpp_extension.CppExtension(
+            name="vllm_chunkattn.bench._machine",
+            sources=_sources("csrc/bench/*.cpp"),
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        ),
     ]
     cuda_sources = _sources("csrc/cuda/*.cu")
     skip = os.environ.get("VLLM_CHUNKATTN_SKIP_CUDA", "0") not in ("", "0")

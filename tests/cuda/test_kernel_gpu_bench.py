@@ -4,6 +4,7 @@ dense K/V, FlashInfer cascade levels), and that it refuses to run without a GPU.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_chunkattn.testing import reference
@@ -94,8 +95,6 @@ def test_refuses_to_run_without_a_gpu(capsys):
 def test_cpu_bench_command_has_a_gpu_mode(capsys):
     """`python -m vllm_chunkattn.bench.kernel --device cuda` is the GPU benchmark on
     the same grids; here (no GPU) it refuses with a reason, as do CPU-only options."""
-    import pytest
-
     from vllm_chunkattn.bench import kernel
 
     for argv, reason in [
@@ -106,3 +105,23 @@ def test_cpu_bench_command_has_a_gpu_mode(capsys):
             kernel.main(argv)
         assert exit_info.value.code == 2
         assert reason in capsys.readouterr().err
+
+
+def test_a_method_that_disagrees_with_chunk_is_not_timed(monkeypatch):
+    """The correctness gate of the GPU benchmark, on CPU tensors: sdpa's output corrupted by 0.1 in one
+    element fails the point (named with the method and the difference); nothing of the point is timed."""
+    point = kg.Point("table3", 4, 64, 32, 1)
+    good = torch.randn(4, 2, 64)
+    bad = good.clone()
+    bad[2, 1, 5] += 0.1
+    fns = {"chunk": lambda: good, "fa_shared": lambda: good + 1e-4, "sdpa": lambda: bad}
+    facts = {"context": point.context, "nodes": 1, "partial_rows": 4, "tree_build_ms": 0.0}
+    monkeypatch.setattr(kg, "_method_fns", lambda *args: (dict(fns), {}, facts))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(kg, "time_gpu", lambda *args, **kwargs: pytest.fail("a failed point must not be timed"))
+    settings = kg.Settings(dtype="float16", methods=["chunk", "fa_shared", "sdpa"])
+    row = kg.run_point(point, settings, torch.device("cpu"))
+    assert [(d["impl"], d["point"]) for d in row["disagreements"]] == [("sdpa", point.label())]
+    assert row["disagreements"][0]["max_abs_diff"] == pytest.approx(0.1, rel=1e-3)
+    assert row["max_abs_diff_vs_chunk"]["fa_shared"] == pytest.approx(1e-4, rel=1e-2)
+    assert row["times_us"] == {}

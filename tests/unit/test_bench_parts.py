@@ -135,3 +135,17 @@ def test_server_start_failure_shows_the_cause():
     )
     assert error_lines(log) == ["ValueError: CHUNK does not support block size 16",
                                 "RuntimeError: Engine core initialization failed. See root cause above."]
+
+
+def test_report_opens_with_the_machine_and_names_results_of_another_cpu(tmp_path):
+    from vllm_chunkattn.bench import machine
+
+    record = machine.describe_machine()
+    results = {"command": "cmd", "workloads": [], "runs": [], "machine": record,
+               "results_from_other_cpus": ["results/serve/old/results.json: AuthenticAMD family 25 model 17"]}
+    table = markdown(results)
+    assert table.index(machine.describe_line(record)) < table.index("| workload |")
+    assert machine.IDENTITY_LINE.format(record["cpu_identity"]) in table
+    assert "- results/serve/old/results.json: AuthenticAMD family 25 model 17" in table
+    write_report(tmp_path, results)
+    assert machine.results_from_other_cpus(tmp_path, record["cpu_identity"]) == []  # its own record reads back

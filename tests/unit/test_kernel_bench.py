@@ -1,48 +1,257 @@
-"""Smoke run of the CPU kernel benchmark (tiny sizes): it runs ours and the
-baselines side by side and writes the table, the JSON records and the plot.
-Timings are printed, never asserted."""
+"""The CPU kernel benchmark: a smoke run at tiny sizes (it runs ours and the
+baselines side by side and writes the table, the JSON records and the plot;
+timings are printed, never asserted), and the parts that keep it honest: the
+correctness gate, the interleaved order, the machine record, the roofline and
+the serving grid taken from the serving benchmark's own definition."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import numpy as np
+import pytest
+import torch
+
+from vllm_chunkattn.bench import agreement, kernel, machine
 
 RECORD_FIELDS = {"impl", "n_p", "n_s", "batch", "heads", "head_dim", "chunk", "median_ms", "min_ms", "max_ms"}
 
 
 def test_kernel_benchmark_quick(tmp_path):
-    cmd = [sys.executable, "-m", "vllm_chunkattn.bench.kernel", "--quick", "--grid", "table3", "--dtype", "both", "--repeats", "3", "--warmup", "1",
-           "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "vllm_chunkattn.bench.kernel", "--quick", "--grid", "table3", "--dtype", "both",
+           "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stdout[-4000:])
+    assert re.search(r"\[\S+ \| 2/16 \| ETA \S+\] table3 bf16", done.stdout)  # a progress line per point
     table = (tmp_path / "table.md").read_text()
     assert "PagedAttn*" in table and "ours" in table
-    records = json.loads((tmp_path / "results.json").read_text())["records"]
-    assert {r["impl"] for r in records} >= {"ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"}
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["machine"]["cpu_identity"] in table and table.index("CPU: ") < table.index("## table3")
+    assert set(results["machine_rates"]) == {"start", "end"}
+    assert results["disagreements"] == []
+    records = results["records"]
+    assert {r["impl"] for r in records} >= {"ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA", "roofline"}
+    assert sum(r["impl"] == "roofline" for r in records) == 16
     for record in records:
         assert RECORD_FIELDS <= record.keys()
         assert 0 < record["min_ms"] <= record["median_ms"] <= record["max_ms"]
+    for record in records:
+        if record["impl"] in ("ours", "PagedAttn", "PagedAttn*"):
+            assert len(record["times_ms"]) == 3 and record["median_over_roofline"] > 0
     assert (tmp_path / "table3.png").stat().st_size > 1000
 
 
-def test_serve_grid_is_the_serving_benchmarks_decode_shape():
-    """`--grid serve`: 32 requests; prefix_repetition-2048 as 4 groups of 8 sharing 2048 tokens, the tree as one
-    1024-token prompt shared by all under 4 groups of 8 sharing 1024 more; 192 private tokens each."""
-    from vllm_chunkattn.bench.kernel import block_tables, grid_points
+def test_a_wrong_implementation_fails_the_run(tmp_path, monkeypatch, capsys):
+    """SDPA made wrong (a doubled softmax scale): the run exits 1 naming the point, SDPA and its difference,
+    and reports no time of that point."""
+    real_sdpa = kernel.F.scaled_dot_product_attention
+    monkeypatch.setattr(kernel.F, "scaled_dot_product_attention",
+                        lambda q, k, v, scale: real_sdpa(q, k, v, scale=2 * scale))
+    code = kernel.main(["--quick", "--grid", "tree", "--dtype", "fp32", "--impls", "ours,SDPA", "--repeats", "2",
+                        "--warmup", "1", "--out", str(tmp_path)])
+    assert code == 1
+    err = capsys.readouterr().err
+    point = kernel.grid_points("tree", "fp32", quick=True)[0].label()
+    assert re.search(re.escape(point) + r": SDPA differs from ours by max \|diff\| \S+ > tolerance 0.0001", err), err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [d["impl"] for d in results["disagreements"]] == ["SDPA"]
+    assert results["disagreements"][0]["max_abs_diff"] > 1e-2
+    assert not [r for r in results["records"] if "median_ms" in r and r["impl"] != "roofline"]
+    assert "THIS RUN FAILED" in (tmp_path / "table.md").read_text()
 
-    prefix, tree = grid_points("serve", "fp32", quick=False)
-    for w in (prefix, tree):
-        assert (w.batch, w.heads, w.head_dim, w.chunk, w.context) == (32, 16, 128, 64, 2240)
-        table, num_blocks = block_tables(w, True, np.random.default_rng(0))
+
+def test_tolerance_check_flags_large_and_nan_differences():
+    diffs = {"close": 1e-6, "far": 0.5, "nan": float("nan")}
+    failed = agreement.check("p", torch.float32, diffs, reference="ours")
+    assert [d.impl for d in failed] == ["far", "nan"]
+    assert "p: far differs from ours by max |diff| 0.5 > tolerance 0.0001" == failed[0].message()
+    assert not agreement.check("p", torch.bfloat16, {"bf16 rounding": 1e-2}, reference="ours")
+    with pytest.raises(ValueError, match="no benchmark tolerance"):
+        agreement.check("p", torch.int8, {}, reference="ours")
+
+
+def test_a_corrupted_output_is_not_timed():
+    reference = torch.randn(4, 2, 8)
+    corrupted = reference.clone()
+    corrupted[3, 1, 7] += 0.25
+    calls = Counter()
+
+    def candidate(name, out):
+        def step():
+            calls[name] += 1
+            return out
+        return kernel.Candidate(name, step, repeats=5)
+
+    result = kernel.check_and_time("synthetic point", torch.float32,
+                                   [candidate("ours", reference), candidate("corrupt", corrupted)], 5, 2, None)
+    assert [(d.impl, d.max_abs_diff) for d in result.disagreements] == [("corrupt", pytest.approx(0.25))]
+    assert result.times == {} and calls == {"ours": 1, "corrupt": 1}  # the check call only
+
+
+def test_interleaved_order_rotates_every_implementation_through_every_position():
+    names = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
+    orders = [kernel.interleaved_order(names, r) for r in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for position in range(len(names)):
+        assert sorted(order[position] for order in orders) == sorted(names)
+    assert kernel.interleaved_order(names, len(names)) == names
+
+
+def test_time_interleaved_runs_one_call_of_each_per_repetition():
+    calls: list[str] = []
+    flushes: list[int] = []
+
+    def candidate(name, repeats):
+        return kernel.Candidate(name, lambda: calls.append(name), repeats)
+
+    candidates = [candidate("a", 4), candidate("b", 4), candidate("dense", 2)]
+    times = kernel.time_interleaved(candidates, repeats=4, warmup=1, flush=lambda: flushes.append(len(calls)))
+    assert calls[:3] == ["a", "b", "dense"]  # warmup
+    assert calls[3:] == ["a", "b", "dense", "b", "dense", "a", "a", "b", "a", "b"]
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "dense": 2}
+    assert flushes == list(range(3, 13))  # before every timed call
+
+
+MACHINE_FIELDS = {"cpu_vendor", "cpu_model_name", "cpu_family", "cpu_model", "cpu_stepping", "cpu_flags", "caches",
+                  "cores_online", "cores_usable", "chunkattn_cpu_isa", "torch", "vllm", "git_commit", "git_dirty",
+                  "cpu_identity"}
+
+
+def test_machine_description_has_the_fields():
+    record = machine.describe_machine()
+    assert MACHINE_FIELDS <= record.keys()
+    assert set(record["cpu_flags"]) == set(machine.FLAGS_OF_INTEREST)
+    assert {"avx2", "fma", "avx512f", "avx512_bf16"} <= set(record["cpu_flags"])
+    assert record["chunkattn_cpu_isa"] == torch.ops.chunkattn.cpu_isa()
+    assert record["torch"] == torch.__version__ and record["vllm"]
+    assert re.fullmatch(r"[0-9a-f]{40}", record["git_commit"]) and isinstance(record["git_dirty"], bool)
+    if record["cpu_vendor"] in ("AuthenticAMD", "GenuineIntel"):
+        assert isinstance(record["cpu_family"], int) and isinstance(record["cpu_model"], int)
+        assert record["caches"]["L1d"]["kib"] >= 16 and record["caches"]["L2"]["kib"] >= 256
+    json.dumps(record)
+    line = machine.describe_line(record)
+    assert record["cpu_model_name"] in line and record["chunkattn_cpu_isa"] in line
+
+
+def test_results_from_another_cpu_are_named(tmp_path):
+    here = machine.describe_machine()
+    other = dict(here, cpu_family=25, cpu_model=17)
+    other["cpu_identity"] = machine.cpu_identity(other)
+    assert other["cpu_identity"] != here["cpu_identity"]
+    (tmp_path / "same").mkdir()
+    (tmp_path / "same" / "results.json").write_text(json.dumps({"machine": here, "records": []}))
+    (tmp_path / "zen4.json").write_text(json.dumps({"machine": other, "rows": []}))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps({"environment": {}, "records": []}))
+    (tmp_path / "table.md").write_text("# Decode attention kernel benchmark\n\n"
+                                       + machine.IDENTITY_LINE.format(other["cpu_identity"]) + "\n")
+    (tmp_path / "notes.md").write_text("unrelated\n")
+    found = machine.results_from_other_cpus(tmp_path, here["cpu_identity"])
+    assert found == [f"{tmp_path / 'old' / 'results.json'}: no CPU record (cannot tell which CPU measured it)",
+                     f"{tmp_path / 'table.md'}: {other['cpu_identity']}",
+                     f"{tmp_path / 'zen4.json'}: {other['cpu_identity']}"]
+    assert machine.results_from_other_cpus(tmp_path, here["cpu_identity"],
+                                           exclude=(tmp_path / "old", tmp_path / "table.md", tmp_path / "zen4.json")) == []
+
+
+def _rates(bandwidth: float, **peaks: float) -> machine.MachineRates:
+    return machine.MachineRates(2, bandwidth, (bandwidth,), peaks, peaks)
+
+
+def test_roofline_takes_the_fastest_rates_that_can_compute_the_dtype():
+    start = _rates(20.0, avx512_fma=200.0, avx2_fma=120.0, avx512_bf16_dot=400.0)
+    end = _rates(30.0, avx512_fma=240.0, avx2_fma=100.0, avx512_bf16_dot=380.0)
+    fp32 = machine.roofline(3 * 10**9, 48 * 10**9, "fp32", [start, end])
+    assert (fp32.bandwidth_gbps, fp32.peak_gflops, fp32.peak_loop) == (30.0, 240.0, "avx512_fma")
+    assert fp32.memory_ms == pytest.approx(100.0) and fp32.compute_ms == pytest.approx(200.0)
+    assert fp32.bound_ms == pytest.approx(200.0) and fp32.bound_by == "compute"
+    bf16 = machine.roofline(3 * 10**9, 48 * 10**9, "bf16", [start, end])
+    assert (bf16.peak_gflops, bf16.peak_loop) == (400.0, "avx512_bf16_dot")
+    assert bf16.bound_ms == pytest.approx(120.0)
+    for alone in (start, end):  # two measurements can only lower the bound
+        assert machine.roofline(3 * 10**9, 48 * 10**9, "fp32", [alone]).bound_ms >= fp32.bound_ms
+    avx2_only = _rates(20.0, avx2_fma=120.0)
+    assert machine.roofline(1, 10**9, "bf16", [avx2_only]).peak_loop == "avx2_fma"
+
+
+def test_roofline_is_a_lower_bound_of_a_synthetic_point():
+    """A synthetic point with known work, timed for real: torch's fp32 matmul (flops) and a sum over a
+    buffer far larger than the caches (bytes) cannot beat the rates the probe measured around them
+    (10% of slack for a machine shared with other work; the issue's matmul rate was 25-90% over)."""
+    threads = torch.get_num_threads()
+    record = machine.describe_machine()
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    big = torch.ones(machine.read_buffer_bytes(record) // 4 // 2, dtype=torch.float32)
+
+    def best_ms(fn, repeats=5):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return min(times)
+
+    rates = [machine.measure_rates(threads, record, quick=True)]
+    matmul_ms, sum_ms = best_ms(lambda: a @ b), best_ms(lambda: big.sum(), 3)
+    rates.append(machine.measure_rates(threads, record, quick=True))
+    compute = machine.roofline(2 * n * n * 4, 2 * n**3, "fp32", rates)
+    memory = machine.roofline(big.numel() * 4, big.numel(), "fp32", rates)
+    assert matmul_ms >= 0.9 * compute.bound_ms, (matmul_ms, compute)
+    assert sum_ms >= 0.9 * memory.bound_ms, (sum_ms, memory)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_serve_grid_is_the_serving_benchmarks_last_decode_step(quick):
+    """`--grid serve`, from the serving benchmark's own definition (its workloads, default concurrency and
+    block size, its model): the batch shares each workload's shared prompt tokens as the workload does,
+    and every request's own tokens (the rest of its prompt and all its output) are private."""
+    from vllm_chunkattn.bench import serve
+    from vllm_chunkattn.bench.workloads import workloads
+    from vllm_chunkattn.testing.models import SPECS
+
+    defaults = serve.parse_args(["--quick"] if quick else [])
+    serving = workloads(quick)
+    points = kernel.grid_points("serve", "fp32", quick)
+    assert [w.name for w in points] == list(serving)
+    batch, chunk = defaults.max_concurrency, defaults.block_size
+    for w in points:
+        sw = serving[w.name]
+        assert (w.batch, w.chunk, w.context) == (batch, chunk, sw.prompt_tokens + sw.output_tokens)
+        if not quick:
+            assert (w.heads, w.head_dim) == (SPECS["bench"]["num_attention_heads"], SPECS["bench"]["head_dim"])
+        table, num_blocks = kernel.block_tables(w, True, np.random.default_rng(0))
         rows = [tuple(r) for r in table.tolist()]
-        # 2048 shared tokens = 32 blocks, each group of 8 requests with its own; 3 private blocks per request.
-        assert sorted(Counter(r[:32] for r in rows).values()) == [8, 8, 8, 8]
-        assert len({b for r in rows for b in r[32:]}) == 32 * 3
-        system = {r[:16] for r in rows}
-        assert len(system) == (4 if w is prefix else 1)
-        assert num_blocks == (4 * 32 if w is prefix else 16 + 4 * 16) + 32 * 3
+        assert sw.shared_tokens % chunk == 0
+        shared = sw.shared_tokens // chunk
+        private = -(-(w.context - sw.shared_tokens) // chunk)
+        groups = Counter(r[:shared] for r in rows)
+        if sw.tree is not None:
+            assert len({r[: sw.tree.system_tokens // chunk] for r in rows}) == 1  # one system prompt for all
+            assert sorted(groups.values()) == [batch // sw.tree.num_groups] * sw.tree.num_groups
+        elif shared:
+            assert sorted(groups.values()) == [batch // sw.num_prompts_multiple] * sw.num_prompts_multiple
+        assert len({b for r in rows for b in r[shared:]}) == batch * private  # private: one row each
+        assert num_blocks == len({b for r in rows for b in r})
+
+
+def test_physically_shared_table_reads_the_first_owners_copy():
+    w = kernel.grid_points("tree", "fp32", quick=True)[0]
+    rng = np.random.default_rng(1)
+    shared, _ = kernel.block_tables(w, True, rng)
+    private, _ = kernel.block_tables(w, False, rng)
+    star = kernel.physically_shared_table(private, shared)
+    # Same sharing pattern as the shared table, over the private table's blocks.
+    assert [len(set(col)) for col in star.T.tolist()] == [len(set(col)) for col in shared.T.tolist()]
+    assert set(star.flatten().tolist()) <= set(private.flatten().tolist())
+    first = {}
+    for (r, c), s in np.ndenumerate(shared.numpy()):
+        first.setdefault(s, private[r, c].item())
+        assert star[r, c].item() == first[s]

@@ -15,10 +15,21 @@ plus the prefix-tree context cost of ours, measured apart from the kernel:
 `rebuild` (tree.prefix_tree from the block tables, paid when the tree
 changes) and `lookup` (PrefixTreeCache.get when it did not, paid every step).
 
-Every point also gets a roofline bound, max(bytes / bandwidth, flops / matmul
-throughput), with both rates measured on this machine at the start of the
-run: bytes are the distinct KV bytes a step must read (a shared chunk
-counted once), flops = 4 * b * h * n * d.
+Correctness gate: before any timing, every implementation's output at a
+point is compared with ours (bench/agreement.py, one tolerance per dtype);
+a point where one differs by more is not timed, and the run exits 1 naming
+the point, the implementation and the difference.
+
+Roofline: the machine's rates are measured at the start and at the end of
+the run (bench/machine.py): peak GFLOP/s of register-only loops per ISA
+(vfmadd zmm and ymm, vdpbf16ps where the CPU has AVX512_BF16) and the read
+bandwidth of a streaming sum over a buffer far larger than the last-level
+cache, both with the threads the kernels use. A point's roofline is
+max(distinct KV bytes / best bandwidth, flops / best peak of a loop that can
+compute the dtype), flops = 4 * b * h * n * d, bytes the KV a step must read
+(a shared chunk counted once): no implementation can take less time, so
+time / roofline >= 1, and the report says loudly where a measured time is
+below it (the model then misses something).
 
 Grids:
     table3  the paper's Table 3: n_p in 1024/2048/4096, n_s in 0, n_p/2, 3n_p/4, n_p,
@@ -27,25 +38,34 @@ Grids:
     fig4    Figure 4: batch 8..96 with n_p = 2048, n_s = 2048 and n_s = 1024
     tree    a two-level tree: 1024-token system prompt shared by 32 requests,
             4 groups of 8 sharing 512 more tokens, 256 private tokens each
-    serve   the decode steps of the serving benchmark (bench.serve) at max
-            concurrency 32, on its model's attention (16 heads of 128, MHA):
-            prefix_repetition-2048 (4 prompts of 2048 tokens, 8 requests each)
-            and the tree (1024-token system prompt + 4 documents of 1024),
-            192 private tokens per request (suffix and output so far)
+    serve   the last decode step of each workload of the serving benchmark
+            (bench/workloads.py) at its default max concurrency, block size and
+            model's attention (bench/serve.py, testing/models.py): the prompt's
+            shared tokens shared as the workload shares them, the rest of the
+            prompt and the output private
     prefill chunkattn::paged_prefill vs vLLM's CPU kernel on causal prefill:
             8 requests x 512 new tokens after 512 cached ones (context 1024),
             and 8 x 512 new tokens from scratch; 32 heads, d 128, chunk 64
 
-Timing: `--warmup` untimed calls, then `--repeats` timed calls (the dense
-baselines at most 5: they are slow and not the subject); median, min, max.
+Timing: `--warmup` untimed calls of each implementation, then `--repeats`
+repetitions; each repetition runs every implementation once, in an order that
+rotates by one place per repetition (the VM's bandwidth drifts during a run:
+no implementation always runs first or last), on the same inputs. The dense
+baselines take part in the first 5 repetitions only: they are slow and not the
+subject. Reported: median, and the spread (min to max) per implementation.
 `--clock wall` (default) times wall-clock with torch's threads. On a machine
 shared with other work, `--clock cpu` is the robust alternative: one thread,
 and the calling thread's CPU time (time.thread_time), which excludes the time
 the thread waits while other processes run; machine rates and rooflines are
 then single-core.
-Before each timed call the last-level cache is flushed (a 64 MiB write):
+Before each timed call the caches are flushed (a write of twice L2 + L3):
 in a model, the layer's KV was evicted by the other layers since its last
-step. `--warm` skips the flush.
+step. `--warm` skips the flush; the roofline's memory term then counts only
+the bytes that cannot all fit in the caches.
+
+Every results file records the machine (CPU, flags, caches, ISA of our
+kernels, torch, vLLM, commit); if the output folder holds results from
+another CPU, the report says so.
 
     python -m vllm_chunkattn.bench.kernel --grid all --dtype both --out results/kernel
 
@@ -58,9 +78,7 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -71,13 +89,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.kernels import ops
-from vllm_chunkattn.prefix import tree
 from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.prefix import tree
 
 IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
+DENSE_IMPLS = ("Naive", "SDPA")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DENSE_MAX_REPEATS = 5
+GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill"]
+# Share of the available memory a point's inputs may take; above it the dense
+# baselines (a dense copy of every request's K and V) are left out of the point.
+MEMORY_FRACTION = 0.8
 
 
 @dataclasses.dataclass
@@ -94,14 +118,41 @@ class Workload:
     head_dim: int
     chunk: int
     dtype: str
+    name: str = ""  # the serving benchmark's workload, for the serve grid
 
     @property
     def context(self) -> int:
         return sum(tokens for tokens, _ in self.segments)
 
     def label(self) -> str:
-        return (f"{self.grid} {self.dtype} b={self.batch} n_p={self.n_p} n_s={self.n_s} n_c={self.n_c} "
-                f"h={self.heads} d={self.head_dim} c={self.chunk}")
+        return (f"{self.grid}{' ' + self.name if self.name else ''} {self.dtype} b={self.batch} n_p={self.n_p} "
+                f"n_s={self.n_s} n_c={self.n_c} h={self.heads} d={self.head_dim} c={self.chunk}")
+
+
+def serve_points(dtype: str, quick: bool) -> list[Workload]:
+    """The last decode step of each serving-benchmark workload (the largest context of the run), with
+    its default max concurrency as the batch, its block size as the chunk and its model's attention."""
+    from vllm_chunkattn.bench import serve
+    from vllm_chunkattn.bench.workloads import workloads
+    from vllm_chunkattn.testing.models import SPECS
+
+    defaults = serve.parse_args(["--quick"] if quick else [])
+    spec = SPECS["tiny-mha" if quick else "bench"]
+    if spec["num_key_value_heads"] != spec["num_attention_heads"]:
+        raise ValueError("the kernel benchmark times multi-head attention (as many KV heads as query heads)")
+    batch, chunk = defaults.max_concurrency, defaults.block_size
+    points = []
+    for w in workloads(quick).values():
+        private = w.prompt_tokens - w.shared_tokens + w.output_tokens
+        if w.tree is not None:
+            segments = [(w.tree.system_tokens, batch), (w.tree.document_tokens, batch // w.tree.num_groups)]
+        elif w.shared_tokens:
+            segments = [(w.shared_tokens, batch // w.num_prompts_multiple)]
+        else:
+            segments = []
+        points.append(Workload("serve", batch, segments + [(private, 1)], w.prompt_tokens, w.shared_tokens,
+                               w.output_tokens, spec["num_attention_heads"], spec["head_dim"], chunk, dtype, w.name))
+    return points
 
 
 def grid_points(grid: str, dtype: str, quick: bool) -> list[Workload]:
@@ -130,10 +181,7 @@ def grid_points(grid: str, dtype: str, quick: bool) -> list[Workload]:
         points.append(Workload(grid, batch, [(system, batch), (group_tokens, group), (private, 1)],
                                system + group_tokens + private, system + group_tokens, 0, h, d, c, dtype))
     elif grid == "serve":
-        heads, shared, private = (4, 128, 16) if quick else (16, 2048, 192)
-        points.append(Workload(grid, 32, [(shared, 8), (private, 1)], shared + private, shared, 0, heads, d, c, dtype))
-        points.append(Workload(grid, 32, [(shared // 2, 32), (shared // 2, 8), (private, 1)], shared + private, shared,
-                               0, heads, d, c, dtype))
+        points = serve_points(dtype, quick)
     else:
         raise ValueError(grid)
     return points
@@ -159,6 +207,15 @@ def block_tables(w: Workload, shared: bool, rng: np.random.Generator) -> tuple[t
                 rows[b].extend(ids)
     perm = rng.permutation(num_blocks)
     return torch.from_numpy(perm[np.array(rows)].astype(np.int32)), num_blocks
+
+
+def physically_shared_table(private_table: torch.Tensor, shared_table: torch.Tensor) -> torch.Tensor:
+    """A table over the blocks of `private_table` that shares what `shared_table` shares:
+    every request reads, for each shared block, the copy of the first request holding it."""
+    flat_shared = shared_table.flatten().numpy()
+    _, first, inverse = np.unique(flat_shared, return_index=True, return_inverse=True)
+    owner = private_table.flatten().numpy()[first]
+    return torch.from_numpy(owner[inverse].reshape(shared_table.shape).astype(np.int32))
 
 
 def random_cache(num_blocks: int, w: Workload, dtype: torch.dtype) -> torch.Tensor:
@@ -214,135 +271,231 @@ def dense_kv(src: torch.Tensor, table: torch.Tensor, context: int) -> tuple[torc
     return keys, values
 
 
+def memory_available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 # ---------------------------------------------------------------------------
 # Timing
 
 
-_FLUSH: torch.Tensor | None = None
 _CLOCK: Callable[[], float] = time.perf_counter
 
 
-def flush_cache() -> None:
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.zeros(64 << 20, dtype=torch.uint8)
-    _FLUSH.add_(1)
+class CacheFlusher:
+    """Evicts the caches by writing a buffer of twice their total size (at least 64 MiB)."""
+
+    def __init__(self, machine_record: dict):
+        caches = machine_record.get("caches", {})
+        total = sum(c["kib"] * c["instances"] for name, c in caches.items() if name != "L1d") * 1024
+        self.buffer = torch.zeros(max(64 << 20, 2 * total), dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1)
 
 
-def measure(fn: Callable[[], object], repeats: int, warmup: int, flush: bool) -> list[float]:
+def measure(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
+    """ms per call of one function on its own (the tree costs: Python, no flush)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        if flush:
-            flush_cache()
         t0 = _CLOCK()
         fn()
         times.append((_CLOCK() - t0) * 1e3)
     return times
 
 
-def machine_rates() -> tuple[float, float]:
-    """(read bandwidth in GB/s, fp32 matmul GFLOP/s) with torch's threads."""
-    big = torch.empty(1 << 28, dtype=torch.float32).uniform_()  # 1 GiB
-    big.sum()
-    bw = max(big.numel() * 4 / (t / 1e3) / 1e9 for t in measure(lambda: big.sum(), 5, 1, False))
-    del big
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    flops = max(2 * n**3 / (t / 1e3) / 1e9 for t in measure(lambda: a @ b, 5, 2, False))
-    return bw, flops
+@dataclasses.dataclass
+class Candidate:
+    """One implementation, ready to run on a point's inputs."""
+    name: str
+    step: Callable[[], torch.Tensor]  # one call; returns the output ([b, h, d] decode, [T, h, d] prefill)
+    repeats: int  # repetitions it takes part in (the first ones)
+    timed: bool = True  # False: run once for the correctness check only
 
 
-def roofline_ms(w: Workload, bandwidth: float, gflops: float) -> tuple[float, float, float]:
-    """(bound ms, distinct KV bytes, flops)."""
-    elem = torch.tensor([], dtype=DTYPES[w.dtype]).element_size()
-    tokens = sum(tokens * (w.batch // group) for tokens, group in w.segments)  # distinct
-    nbytes = tokens * w.heads * w.head_dim * 2 * elem
-    flops = 4 * w.batch * w.heads * w.context * w.head_dim
-    return max(nbytes / (bandwidth * 1e9), flops / (gflops * 1e9)) * 1e3, nbytes, flops
+def interleaved_order(names: list[str], repetition: int) -> list[str]:
+    """The order of repetition `repetition`: rotated by one place per repetition, so that
+    over len(names) repetitions every implementation runs once in every position."""
+    if not names:
+        return []
+    k = repetition % len(names)
+    return names[k:] + names[:k]
+
+
+def time_interleaved(candidates: list[Candidate], repeats: int, warmup: int,
+                     flush: Callable[[], None] | None) -> dict[str, list[float]]:
+    """ms per call of each timed candidate: `warmup` untimed calls each, then `repeats` repetitions of
+    one call per candidate in `interleaved_order`; a flush before each timed call."""
+    timed = {c.name: c for c in candidates if c.timed}
+    for c in timed.values():
+        for _ in range(warmup):
+            c.step()
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for repetition in range(repeats):
+        for name in interleaved_order(list(timed), repetition):
+            if len(times[name]) >= timed[name].repeats:
+                continue
+            if flush is not None:
+                flush()
+            t0 = _CLOCK()
+            timed[name].step()
+            times[name].append((_CLOCK() - t0) * 1e3)
+    return times
+
+
+@dataclasses.dataclass
+class PointResult:
+    times: dict[str, list[float]]  # ms per implementation (empty when the point failed its check)
+    diffs: dict[str, float]  # max |diff| vs ours per other implementation
+    disagreements: list[agreement.Disagreement]
+    skipped: dict[str, str]  # implementation -> why it was left out of this point
+
+
+def check_and_time(label: str, dtype: torch.dtype, candidates: list[Candidate], repeats: int, warmup: int,
+                   flush: Callable[[], None] | None) -> PointResult:
+    """One call of each candidate; outputs compared with ours; only if they agree, the timing."""
+    outputs = {c.name: c.step().clone() for c in candidates}
+    diffs = {name: agreement.max_abs_diff(out, outputs["ours"]) for name, out in outputs.items() if name != "ours"}
+    disagreements = agreement.check(label, dtype, diffs, reference="ours")
+    del outputs
+    if disagreements:
+        return PointResult({}, diffs, disagreements, {})
+    return PointResult(time_interleaved(candidates, repeats, max(0, warmup - 1), flush), diffs, [], {})
+
+
+# ---------------------------------------------------------------------------
+# Roofline
+
+
+def element_size(dtype: str) -> int:
+    return torch.tensor([], dtype=DTYPES[dtype]).element_size()
+
+
+def distinct_kv_bytes(w: Workload) -> int:
+    """KV bytes one step must read: a shared chunk once."""
+    tokens = sum(tokens * -(-w.batch // group) for tokens, group in w.segments)
+    return tokens * w.heads * w.head_dim * 2 * element_size(w.dtype)
+
+
+def unshared_kv_bytes(w: Workload) -> int:
+    return w.batch * w.context * w.heads * w.head_dim * 2 * element_size(w.dtype)
+
+
+def decode_flops(w: Workload) -> int:
+    return 4 * w.batch * w.heads * w.context * w.head_dim
+
+
+def cache_bytes(machine_record: dict) -> int:
+    return sum(c["kib"] * c["instances"] for c in machine_record.get("caches", {}).values()) * 1024
+
+
+def memory_term_bytes(nbytes: int, flushed: bool, machine_record: dict) -> int:
+    """Bytes that must come from memory: all of them after a flush; warm, what cannot fit in the caches."""
+    return nbytes if flushed else max(0, nbytes - cache_bytes(machine_record))
 
 
 # ---------------------------------------------------------------------------
 # One point
 
 
-def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: bool, rng: np.random.Generator):
+def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: Callable[[], None] | None,
+              rng: np.random.Generator) -> PointResult:
     dtype = DTYPES[w.dtype]
     scale = w.head_dim**-0.5
     seq_lens = torch.full((w.batch,), w.context, dtype=torch.int32)
     query = torch.empty(w.batch, w.heads, w.head_dim, dtype=dtype).uniform_(-2.0, 2.0)
     qsl = torch.arange(w.batch + 1, dtype=torch.int32)
-    results: dict[str, list[float]] = {}
-    outputs: dict[str, torch.Tensor] = {}
+    candidates: list[Candidate] = []
+    skipped: dict[str, str] = {}
 
     shared_table, shared_blocks = block_tables(w, True, rng)
     cache = random_cache(shared_blocks, w, dtype)
 
-    # Ours, and the tree-context costs.
+    # Ours is always run: it is the reference of the correctness check, timed only if asked for.
     ctx_cache = tree.PrefixTreeCache()
     ctx = ctx_cache.get(shared_table, seq_lens, w.chunk)
-    results["tree rebuild"] = measure(lambda: tree.prefix_tree(shared_table, seq_lens, w.chunk), repeats, 1, False)
-    results["tree lookup"] = measure(lambda: ctx_cache.get(shared_table, seq_lens, w.chunk), repeats, 1, False)
-    if "ours" in impls:
-        out = torch.empty_like(query)
-        results["ours"] = measure(lambda: ops.tpp_decode(query, cache, shared_table, seq_lens, ctx, scale, out),
-                                  repeats, warmup, flush)
-        outputs["ours"] = out
+    ours_out = torch.empty_like(query)
 
-    def run_vllm(table: torch.Tensor, num_blocks: int, name: str) -> None:
+    def ours() -> torch.Tensor:
+        ops.tpp_decode(query, cache, shared_table, seq_lens, ctx, scale, ours_out)
+        return ours_out
+
+    candidates.append(Candidate("ours", ours, repeats, timed="ours" in impls))
+
+    vllm_blocks = 0
+    if "PagedAttn" in impls or "PagedAttn*" in impls:
         from vllm import _custom_ops as vops
 
-        _, key_cache, value_cache = vllm_cache(cache, shared_table, table, num_blocks)
+        if "PagedAttn" in impls:
+            private_table, vllm_blocks = block_tables(w, False, rng)
+            _, key_cache, value_cache = vllm_cache(cache, shared_table, private_table, vllm_blocks)
+            tables = {"PagedAttn": private_table, "PagedAttn*": physically_shared_table(private_table, shared_table)}
+        else:
+            vllm_blocks = shared_blocks
+            _, key_cache, value_cache = vllm_cache(cache, shared_table, shared_table, vllm_blocks)
+            tables = {"PagedAttn*": shared_table}
         metadata = vops.cpu_attn_get_scheduler_metadata(
             num_reqs=w.batch, num_heads=w.heads, num_kv_heads=w.heads, head_dim=w.head_dim, seq_lens=seq_lens,
             dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=_vllm_isa(dtype, w.chunk),
             enable_kv_split=True)
-        out = torch.empty_like(query)
 
-        def step():
-            vops.cpu_attention_with_kv_cache(
-                query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
-                seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
-                softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+        def paged(table: torch.Tensor) -> Callable[[], torch.Tensor]:
+            out = torch.empty_like(query)
 
-        results[name] = measure(step, repeats, warmup, flush)
-        outputs[name] = out
+            def step() -> torch.Tensor:
+                vops.cpu_attention_with_kv_cache(
+                    query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
+                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                    block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+                return out
 
-    if "PagedAttn*" in impls:
-        run_vllm(shared_table, shared_blocks, "PagedAttn*")
-        gc.collect()
-    if "PagedAttn" in impls:
-        private_table, private_blocks = block_tables(w, False, rng)
-        run_vllm(private_table, private_blocks, "PagedAttn")
-        gc.collect()
-    if "Naive" in impls or "SDPA" in impls:
+            return step
+
+        for name in ("PagedAttn", "PagedAttn*"):
+            if name in impls:
+                candidates.append(Candidate(name, paged(tables[name]), repeats))
+
+    dense = [i for i in DENSE_IMPLS if i in impls]
+    if dense:
+        block_bytes = w.heads * w.chunk * 2 * w.head_dim * element_size(w.dtype)
+        needed = (shared_blocks + vllm_blocks) * block_bytes + unshared_kv_bytes(w)
+        available = memory_available_bytes()
+        if needed > MEMORY_FRACTION * available:
+            for name in dense:
+                skipped[name] = (f"its dense K/V would bring the point's inputs to {needed / 2**30:.1f} GiB, "
+                                 f"over {MEMORY_FRACTION:.0%} of the {available / 2**30:.1f} GiB available")
+            dense = []
+    if dense:
         keys, values = dense_kv(cache, shared_table, w.context)
         q4 = query.unsqueeze(2)  # [b, h, 1, d]
         dense_repeats = min(repeats, DENSE_MAX_REPEATS)
-        if "Naive" in impls:
-            def naive():
-                return torch.softmax((q4 @ keys.transpose(-1, -2)) * scale, dim=-1) @ values
 
-            results["Naive"] = measure(naive, dense_repeats, 1, flush)
-            outputs["Naive"] = naive().squeeze(2)
-        if "SDPA" in impls:
-            def sdpa():
-                return F.scaled_dot_product_attention(q4, keys, values, scale=scale)
+        def naive() -> torch.Tensor:
+            return (torch.softmax((q4 @ keys.transpose(-1, -2)) * scale, dim=-1) @ values).squeeze(2)
 
-            results["SDPA"] = measure(sdpa, dense_repeats, 1, flush)
-            outputs["SDPA"] = sdpa().squeeze(2)
-        del keys, values
-    del cache
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q4, keys, values, scale=scale).squeeze(2)
+
+        for name, step in (("Naive", naive), ("SDPA", sdpa)):
+            if name in dense:
+                candidates.append(Candidate(name, step, dense_repeats))
+
+    result = check_and_time(w.label(), dtype, candidates, repeats, warmup, flush)
+    result.skipped.update(skipped)
+    if not result.disagreements:
+        result.times["tree rebuild"] = measure(lambda: tree.prefix_tree(shared_table, seq_lens, w.chunk), repeats, 1)
+        result.times["tree lookup"] = measure(lambda: ctx_cache.get(shared_table, seq_lens, w.chunk), repeats, 1)
+    del candidates, cache
     gc.collect()
-
-    # Sanity: every implementation computed the same attention.
-    diffs = {}
-    if "ours" in outputs:
-        for name, o in outputs.items():
-            if name != "ours":
-                diffs[name] = (o.float() - outputs["ours"].float()).abs().max().item()
-    return results, diffs
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -359,6 +512,20 @@ class PrefillPoint:
     chunk: int
     dtype: str
 
+    def label(self) -> str:
+        return (f"prefill {self.dtype} requests={self.requests} new={self.new} seq_len={self.context} "
+                f"h={self.heads} d={self.head_dim} c={self.chunk}")
+
+    def flops(self) -> int:
+        """Causal: new token t (0-based) attends to context - new + t + 1 keys."""
+        keys = sum(self.context - self.new + t + 1 for t in range(self.new))
+        return 4 * self.requests * self.heads * self.head_dim * keys
+
+    def nbytes(self) -> int:
+        """KV of every request's context, its queries and its outputs."""
+        tokens = self.requests * (self.context * 2 + 2 * self.new)
+        return tokens * self.heads * self.head_dim * element_size(self.dtype)
+
 
 def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     if quick:
@@ -366,7 +533,8 @@ def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     return [PrefillPoint(8, 512, 1024, 32, 128, 64, dtype), PrefillPoint(8, 512, 512, 32, 128, 64, dtype)]
 
 
-def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: bool, rng: np.random.Generator):
+def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callable[[], None] | None,
+                      rng: np.random.Generator) -> PointResult:
     from vllm import _custom_ops as vops
 
     dtype = DTYPES[p.dtype]
@@ -377,33 +545,28 @@ def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: bool, r
     qsl = torch.arange(p.requests + 1, dtype=torch.int32) * p.new
     query = torch.empty(p.requests * p.new, p.heads, p.head_dim, dtype=dtype).uniform_(-2.0, 2.0)
     scale = p.head_dim**-0.5
-    ours = torch.empty_like(query)
-    times = {"ours": measure(lambda: ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, ours),
-                             repeats, warmup, flush)}
+    ours_out = torch.empty_like(query)
+
+    def ours() -> torch.Tensor:
+        ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, ours_out)
+        return ours_out
+
     _, key_cache, value_cache = vllm_cache(cache, table, table, num_blocks)
-    isa = _vllm_isa(dtype, p.chunk)
     metadata = vops.cpu_attn_get_scheduler_metadata(
         num_reqs=p.requests, num_heads=p.heads, num_kv_heads=p.heads, head_dim=p.head_dim, seq_lens=seq_lens,
-        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
-    theirs = torch.empty_like(query)
-    times["vLLM"] = measure(lambda: vops.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=theirs, query_start_loc=qsl,
-        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
-        softcap=0.0, scheduler_metadata=metadata, s_aux=None), repeats, warmup, flush)
-    diff = (ours.float() - theirs.float()).abs().max().item()
-    return times, diff
+        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=_vllm_isa(dtype, p.chunk),
+        enable_kv_split=True)
+    theirs_out = torch.empty_like(query)
 
+    def theirs() -> torch.Tensor:
+        vops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=theirs_out, query_start_loc=qsl,
+            seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+            softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+        return theirs_out
 
-def prefill_table(rows: list[dict]) -> str:
-    lines = ["| dtype | requests | new tokens | seq_len | heads | d | chunk | ours ms | vLLM ms | vLLM/ours | "
-             "GFLOP/s ours | max|Δ| |", "|" + "---|" * 12]
-    for r in rows:
-        p, med = r["p"], r["median"]
-        flops = 4 * p.requests * p.heads * p.head_dim * sum(p.context - p.new + t + 1 for t in range(p.new))
-        lines.append(f"| {p.dtype} | {p.requests} | {p.new} | {p.context} | {p.heads} | {p.head_dim} | {p.chunk} | "
-                     f"{fmt(med['ours'])} | {fmt(med['vLLM'])} | {med['vLLM'] / med['ours']:.2f}x | "
-                     f"{flops / (med['ours'] / 1e3) / 1e9:.1f} | {r['diff']:.1e} |")
-    return "\n".join(lines)
+    candidates = [Candidate("ours", ours, repeats), Candidate("vLLM", theirs, repeats)]
+    return check_and_time(p.label(), dtype, candidates, repeats, warmup, flush)
 
 
 # ---------------------------------------------------------------------------
@@ -411,7 +574,9 @@ def prefill_table(rows: list[dict]) -> str:
 
 
 def summarise(times: list[float]) -> dict[str, float]:
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "p25_ms": q1, "p75_ms": q3, "times_ms": list(times)}
 
 
 def fmt(x: float | None, digits: int = 2) -> str:
@@ -420,29 +585,62 @@ def fmt(x: float | None, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if x < 100 else f"{x:.0f}"
 
 
+def time_cell(times: list[float] | None) -> str:
+    """Median and spread: ± half the range (max - min) of the repetitions, in % of the median."""
+    if not times:
+        return "-"
+    median = statistics.median(times)
+    return f"{fmt(median)} ±{50 * (max(times) - min(times)) / median:.0f}%"
+
+
 def markdown_table(rows: list[dict], impls: list[str]) -> str:
     """One table of a grid and dtype; rows are dicts made by main()."""
     head = ["n_p", "n_s", "n_c", "batch", "tokens:requests sharing them"] + [f"{i} ms" for i in impls] + ["roofline ms"]
     ratios = [f"{i}/ours" for i in impls if i != "ours"]
-    head += ratios + ["ours/roofline", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)", "max|Δ| vs ours"]
+    head += ratios + ["ours/roofline", "bound by", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)",
+                      "max|Δ| vs ours"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        ours = r["median"].get("ours")
-        cells = [str(r["w"].n_p), str(r["w"].n_s), str(r["w"].n_c), str(r["w"].batch),
-                 " + ".join(f"{tokens}:{group}" for tokens, group in r["w"].segments)]
-        cells += [fmt(r["median"].get(i)) for i in impls] + [fmt(r["roofline"])]
+        w, times, bound = r["w"], r["times"], r["roofline"]
+        median = {name: statistics.median(ts) for name, ts in times.items()}
+        ours = median.get("ours")
+        shares = " + ".join(f"{tokens}:{group}" for tokens, group in w.segments)
+        cells = [str(w.n_p), str(w.n_s), str(w.n_c), str(w.batch), f"{w.name}: {shares}" if w.name else shares]
+        cells += [time_cell(times.get(i)) for i in impls] + [fmt(bound.bound_ms)]
         for i in impls:
             if i == "ours":
                 continue
-            cells.append(f"{r['median'][i] / ours:.2f}x" if ours and i in r["median"] else "-")
-        cells.append(f"{ours / r['roofline']:.2f}" if ours else "-")
-        cells.append(f"{r['w'].batch / (ours / 1e3):.0f}" if ours else "-")
+            cells.append(f"{median[i] / ours:.2f}x" if ours and i in median else "-")
+        cells.append(f"{ours / bound.bound_ms:.2f}" if ours else "-")
+        cells.append(bound.bound_by)
+        cells.append(f"{w.batch / (ours / 1e3):.0f}" if ours else "-")
         for key in ("tree rebuild", "tree lookup"):
-            t = r["median"][key]
+            t = median[key]
             cells.append(f"{t:.3f} ({100 * t / ours:.1f}%)" if ours else f"{t:.3f}")
         cells.append(", ".join(f"{k} {v:.1e}" for k, v in r["diffs"].items()) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def prefill_table(rows: list[dict]) -> str:
+    lines = ["| dtype | requests | new tokens | seq_len | heads | d | chunk | ours ms | vLLM ms | vLLM/ours | "
+             "roofline ms | ours/roofline | bound by | GFLOP/s ours | max|Δ| |", "|" + "---|" * 15]
+    for r in rows:
+        p, times, bound = r["p"], r["times"], r["roofline"]
+        ours, theirs = statistics.median(times["ours"]), statistics.median(times["vLLM"])
+        lines.append(f"| {p.dtype} | {p.requests} | {p.new} | {p.context} | {p.heads} | {p.head_dim} | {p.chunk} | "
+                     f"{time_cell(times['ours'])} | {time_cell(times['vLLM'])} | {theirs / ours:.2f}x | "
+                     f"{fmt(bound.bound_ms)} | {ours / bound.bound_ms:.2f} | {bound.bound_by} | "
+                     f"{p.flops() / (ours / 1e3) / 1e9:.1f} | {r['diffs']['vLLM']:.1e} |")
+    return "\n".join(lines)
+
+
+def below_roofline(label: str, times: dict[str, list[float]], bound: machine.Roofline) -> list[str]:
+    """Implementations whose fastest repetition beat the roofline: the model misses something there."""
+    return [f"{label}: {name} {min(ts):.3f} ms < roofline {bound.bound_ms:.3f} ms ({bound.bound_by} bound: "
+            f"{bound.nbytes} B at {bound.bandwidth_gbps:.1f} GB/s, {bound.flops} flop at {bound.peak_gflops:.0f} "
+            f"GFLOP/s of {bound.peak_loop})"
+            for name, ts in times.items() if not name.startswith("tree ") and ts and min(ts) < bound.bound_ms]
 
 
 def plot_table3(rows: list[dict], impls: list[str], path: Path) -> None:
@@ -463,7 +661,8 @@ def plot_table3(rows: list[dict], impls: list[str], path: Path) -> None:
         names = impls + ["roofline"]
         width = 0.8 / len(names)
         for k, name in enumerate(names):
-            ys = [r["roofline"] if name == "roofline" else r["median"].get(name, float("nan")) for r in sel]
+            ys = [r["roofline"].bound_ms if name == "roofline" else
+                  statistics.median(r["times"][name]) if name in r["times"] else float("nan") for r in sel]
             ax.bar(np.arange(len(sel)) + k * width, ys, width, label=name)
         ax.set_xticks(np.arange(len(sel)) + width * (len(names) - 1) / 2, labels)
         ax.set_yscale("log")
@@ -475,6 +674,28 @@ def plot_table3(rows: list[dict], impls: list[str], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}", flush=True)
+
+
+class Progress:
+    """A line per point with the time so far and an estimate of the time left, from the points' estimated
+    costs (the roofline of reading every request's KV unshared: what the baselines read)."""
+
+    def __init__(self, costs: list[float]):
+        self.costs = costs
+        self.done = 0
+        self.started = time.monotonic()
+
+    def point(self, label: str) -> None:
+        elapsed = time.monotonic() - self.started
+        done_cost, left_cost = sum(self.costs[: self.done]), sum(self.costs[self.done :])
+        eta = f"ETA {_duration(elapsed * left_cost / done_cost)}" if self.done and done_cost > 0 else "ETA -"
+        print(f"[{_duration(elapsed)} | {self.done + 1}/{len(self.costs)} | {eta}] {label} ...", flush=True)
+        self.done += 1
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 # The GPU benchmark's names for this module's grids and dtypes.
@@ -503,9 +724,81 @@ def run_on_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclasses.dataclass
+class PlannedPoint:
+    grid: str
+    point: Workload | PrefillPoint
+
+    def label(self) -> str:
+        return self.point.label()
+
+
+def plan(grids: list[str], dtypes: list[str], quick: bool) -> list[PlannedPoint]:
+    planned = []
+    for grid in grids:
+        for dtype in dtypes:
+            points = prefill_points(dtype, quick) if grid == "prefill" else grid_points(grid, dtype, quick)
+            planned += [PlannedPoint(grid, p) for p in points]
+    return planned
+
+
+def point_roofline(point: Workload | PrefillPoint, rates: list[machine.MachineRates], flushed: bool,
+                   machine_record: dict, unshared: bool = False) -> machine.Roofline:
+    """The point's roofline (`unshared`: as if no chunk were shared, the progress line's cost estimate)."""
+    if isinstance(point, PrefillPoint):
+        nbytes, flops = point.nbytes(), point.flops()
+    else:
+        nbytes, flops = (unshared_kv_bytes(point) if unshared else distinct_kv_bytes(point)), decode_flops(point)
+    return machine.roofline(memory_term_bytes(nbytes, flushed, machine_record), flops, point.dtype, rates)
+
+
+def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rates: list[machine.MachineRates],
+                  failures: list[agreement.Disagreement], below: list[str], others: list[str]) -> list[str]:
+    lines = ["# Decode attention kernel benchmark (one layer, one step)", ""]
+    if failures:
+        lines += ["**THIS RUN FAILED: implementations disagree beyond the tolerance "
+                  "(bench/agreement.py); these points are not timed and not in the tables:**", "",
+                  *[f"- {d.message()}" for d in failures], ""]
+    lines += [machine.describe_line(machine_record), "", machine.IDENTITY_LINE.format(machine_record["cpu_identity"]),
+              "", *machine.other_cpu_warning(others)]
+    lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
+    unmeasured = machine.unmeasured_instructions(machine_record)
+    lines += [
+        "",
+        "Roofline of a point: max(bytes / the higher of the two bandwidths, flops / the highest peak of a loop "
+        "that computes the dtype: fp32 " + ", ".join(machine.PEAK_LOOPS_BY_DTYPE["fp32"]) + "; bf16 "
+        + ", ".join(machine.PEAK_LOOPS_BY_DTYPE["bf16"]) + "), bytes = distinct KV bytes of the step"
+        + (" (all of them: the caches are flushed before each call)" if env["flush_cache"]
+           else " beyond what the caches can hold (--warm)") + ", flops = 4 b h n d: a lower bound of every "
+        "implementation's time, so time / roofline >= 1.",
+    ]
+    if unmeasured:
+        lines += ["", f"**This CPU has {', '.join(unmeasured)}, which no peak loop measures: an implementation "
+                  f"using them can beat the compute term, so the roofline is not a lower bound for it.**"]
+    if below:
+        lines += ["", "**BELOW THE ROOFLINE: these measured times are under the bound; the roofline model misses "
+                  "something here (a rate measured too low, bytes that did not come from memory):**", "",
+                  *[f"- {line}" for line in below]]
+    lines += [
+        "",
+        f"Clock: {'wall, torch threads' if args.clock == 'wall' else 'CPU time of the (single) calling thread'} "
+        f"({env['threads']} threads); load average at start {env['loadavg_start'][0]:.1f}, at end "
+        f"{env['loadavg_end'][0]:.1f}; caches {'flushed' if env['flush_cache'] else 'warm'} before each timed call; "
+        f"{args.repeats} repetitions (dense baselines: {min(args.repeats, DENSE_MAX_REPEATS)}), each running every "
+        f"implementation once in an order rotated by one per repetition; cells: median ±half the range (max - min) "
+        f"in % of the median.",
+        "",
+        "Ratios X/ours > 1 mean ours is faster. rebuild/lookup: prefix-tree context costs of ours, outside the "
+        "kernel time; % of one layer's decode step of ours.",
+        "",
+        f"Command: `python -m vllm_chunkattn.bench.kernel {' '.join(env['argv'][1:])}`",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", default="all", choices=["table3", "fig3", "fig4", "tree", "serve", "prefill", "all"])
+    parser.add_argument("--grid", default="all", choices=GRIDS + ["all"])
     parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "both"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -531,93 +824,130 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         print("vLLM is not importable: skipping PagedAttn and PagedAttn*", flush=True)
         impls = [i for i in impls if not i.startswith("PagedAttn")]
-    grids = ["table3", "fig3", "fig4", "tree", "serve", "prefill"] if args.grid == "all" else [args.grid]
+    grids = GRIDS if args.grid == "all" else [args.grid]
     if "prefill" in grids and not any(i.startswith("PagedAttn") for i in impls):
         grids.remove("prefill")  # needs vLLM
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    bandwidth, gflops = machine_rates()
+    machine_record = machine.describe_machine()
+    print(machine.describe_line(machine_record), flush=True)
+    # This run replaces table.md and results.json; anything else in the folder stays beside them.
+    others = machine.results_from_other_cpus(out_dir, machine_record["cpu_identity"],
+                                             exclude=(out_dir / "table.md", out_dir / "results.json"))
+    for line in others:
+        print(f"WARNING: {out_dir} holds results of another CPU: {line}", flush=True)
+    threads = torch.get_num_threads()
+    rates = [machine.measure_rates(threads, machine_record, args.quick)]
+    print(machine.rates_line("machine rates at the start", rates[0]), flush=True)
     env = {
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_isa": torch.ops.chunkattn.cpu_isa(),
-        "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "read_bandwidth_GBps": round(bandwidth, 1), "fp32_matmul_GFLOPs": round(gflops, 1),
-        "loadavg_start": os.getloadavg(), "flush_cache": not args.warm, "clock": args.clock, "repeats": args.repeats,
-        "warmup": args.warmup, "argv": sys.argv,
+        "threads": threads, "loadavg_start": os.getloadavg(), "flush_cache": not args.warm,
+        "clock": args.clock, "repeats": args.repeats, "warmup": args.warmup, "argv": sys.argv if argv is None else
+        ["kernel.py", *argv], "impls": impls,
     }
-    print(f"machine: {env}", flush=True)
     if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
         print(f"WARNING: load average {os.getloadavg()} on {os.cpu_count()} cores: other processes share the "
               f"machine, timings will be noisy", flush=True)
 
+    flush = None if args.warm else CacheFlusher(machine_record)
+    planned = plan(grids, dtypes, args.quick)
+    progress = Progress([point_roofline(p.point, rates, True, machine_record, unshared=True).bound_ms
+                         for p in planned])
     rng = np.random.default_rng(0)
-    records = []
-    rows_by_table: dict[tuple[str, str], list[dict]] = {}
+    results: list[tuple[PlannedPoint, PointResult]] = []
+    failures: list[agreement.Disagreement] = []
     start = time.time()
-    prefill_rows: list[dict] = []
-    for grid in grids:
-        for dtype in dtypes:
-            if grid == "prefill":
-                for p in prefill_points(dtype, args.quick):
-                    print(f"[{time.time() - start:6.0f}s] prefill {p} ...", flush=True)
-                    times, diff = run_prefill_point(p, args.repeats, args.warmup, not args.warm, rng)
-                    for name, ts in times.items():
-                        records.append(dict(grid="prefill", impl=name, n_p=p.context, n_s=0, n_c=p.new,
-                                            batch=p.requests, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk,
-                                            dtype=p.dtype, **summarise(ts), max_abs_diff_vs_ours=diff))
-                    median = {name: statistics.median(ts) for name, ts in times.items()}
-                    prefill_rows.append(dict(p=p, median=median, diff=diff))
-                    print("    " + "  ".join(f"{k} {v:.2f}" for k, v in median.items()), flush=True)
-                continue
-            for w in grid_points(grid, dtype, args.quick):
-                print(f"[{time.time() - start:6.0f}s] {w.label()} ...", flush=True)
-                times, diffs = run_point(w, impls, args.repeats, args.warmup, not args.warm, rng)
-                bound, nbytes, flops = roofline_ms(w, bandwidth, gflops)
-                base = dict(grid=grid, n_p=w.n_p, n_s=w.n_s, n_c=w.n_c, batch=w.batch, heads=w.heads,
-                            head_dim=w.head_dim, chunk=w.chunk, dtype=w.dtype)
-                for name, ts in times.items():
-                    records.append(dict(base, impl=name, **summarise(ts), **(
-                        {"max_abs_diff_vs_ours": diffs[name]} if name in diffs else {})))
-                records.append(dict(base, impl="roofline", median_ms=bound, min_ms=bound, max_ms=bound,
-                                    kv_bytes=nbytes, flops=flops))
-                median = {name: statistics.median(ts) for name, ts in times.items()}
-                rows_by_table.setdefault((grid, dtype), []).append(
-                    dict(w=w, median=median, roofline=bound, diffs=diffs))
-                print("    " + "  ".join(f"{k} {v:.2f}" for k, v in median.items()) + f"  roofline {bound:.2f} ms",
-                      flush=True)
+    for planned_point in planned:
+        progress.point(planned_point.label())
+        p = planned_point.point
+        if isinstance(p, PrefillPoint):
+            result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
+        else:
+            result = run_point(p, impls, args.repeats, args.warmup, flush, rng)
+        results.append((planned_point, result))
+        for d in result.disagreements:
+            print(f"FAILED: {d.message()}", flush=True)
+        failures += result.disagreements
+        for name, why in result.skipped.items():
+            print(f"    {name} left out: {why}", flush=True)
+        if result.times:
+            print("    " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()), flush=True)
+    rates.append(machine.measure_rates(threads, machine_record, args.quick))
+    print(machine.rates_line("machine rates at the end", rates[1]), flush=True)
     env["loadavg_end"] = os.getloadavg()
     env["seconds"] = round(time.time() - start)
 
-    sections = [
-        "# Decode attention kernel benchmark (one layer, one step)",
-        "",
-        f"Machine: {env['cores']} cores, ours on `{env['cpu_isa']}`, torch {env['torch']} with {env['threads']} "
-        f"threads; clock: {'wall' if args.clock == 'wall' else 'CPU time of the (single) calling thread'}; "
-        f"measured read bandwidth {env['read_bandwidth_GBps']} GB/s, fp32 matmul "
-        f"{env['fp32_matmul_GFLOPs']} GFLOP/s; load average at start {env['loadavg_start'][0]:.1f}, at end "
-        f"{env['loadavg_end'][0]:.1f}; cache {'flushed' if env['flush_cache'] else 'warm'} before each timed call; "
-        f"median of {args.repeats} (dense baselines: {min(args.repeats, DENSE_MAX_REPEATS)}).",
-        "",
-        "Ratios X/ours > 1 mean ours is faster. rebuild/lookup: prefix-tree context costs of ours, outside the "
-        "kernel time; % of one layer's decode step of ours.",
-        "",
-        f"Command: `python -m vllm_chunkattn.bench.kernel {' '.join(sys.argv[1:])}`",
-    ]
+    records: list[dict] = []
+    rows_by_table: dict[tuple[str, str], list[dict]] = {}
+    prefill_rows: list[dict] = []
+    below: list[str] = []
+    for planned_point, result in results:
+        p = planned_point.point
+        bound = point_roofline(p, rates, not args.warm, machine_record)
+        if isinstance(p, PrefillPoint):
+            base = dict(grid="prefill", n_p=p.context, n_s=0, n_c=p.new, batch=p.requests, heads=p.heads,
+                        head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype)
+        else:
+            base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
+                        batch=p.batch, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype,
+                        segments=p.segments)
+        roofline_record = dict(base, impl="roofline", median_ms=bound.bound_ms, min_ms=bound.bound_ms,
+                               max_ms=bound.bound_ms, **dataclasses.asdict(bound), memory_ms=bound.memory_ms,
+                               compute_ms=bound.compute_ms, bound_by=bound.bound_by)
+        records.append(roofline_record)
+        if result.disagreements:
+            records += [dict(base, impl=d.impl, failed=True, max_abs_diff_vs_ours=d.max_abs_diff,
+                             tolerance=d.tolerance) for d in result.disagreements]
+            continue
+        for name, ts in result.times.items():
+            stats = summarise(ts)
+            extra = {"max_abs_diff_vs_ours": result.diffs[name]} if name in result.diffs else {}
+            if not name.startswith("tree "):
+                extra["median_over_roofline"] = stats["median_ms"] / bound.bound_ms
+            records.append(dict(base, impl=name, **stats, **extra))
+        for name, why in result.skipped.items():
+            records.append(dict(base, impl=name, skipped=why))
+        below += below_roofline(p.label(), result.times, bound)
+        row = dict(w=p, p=p, times=result.times, roofline=bound, diffs=result.diffs)
+        if isinstance(p, PrefillPoint):
+            prefill_rows.append(row)
+        else:
+            rows_by_table.setdefault((planned_point.grid, p.dtype), []).append(row)
+    for line in below:
+        print(f"WARNING: below the roofline: {line}", flush=True)
+
+    shown = [i for i in IMPLS if i in impls]
+    sections = report_header(args, env, machine_record, rates, failures, below, others)
     for (grid, dtype), rows in rows_by_table.items():
-        sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, impls)]
+        sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, shown)]
+        skipped = sorted({f"{name}: {why}" for planned_point, result in results
+                          if not isinstance(planned_point.point, PrefillPoint) and planned_point.grid == grid
+                          and planned_point.point.dtype == dtype for name, why in result.skipped.items()})
+        if skipped:
+            sections += ["", "Left out of some points: " + "; ".join(skipped)]
     if prefill_rows:
         sections += ["", "## prefill (causal, paged): chunkattn::paged_prefill vs vLLM's CPU kernel", "",
-                     "n_c in results.json = new tokens per request, n_p = seq_len.", "", prefill_table(prefill_rows)]
+                     "n_c in results.json = new tokens per request, n_p = seq_len; roofline bytes: KV, queries and "
+                     "outputs.", "", prefill_table(prefill_rows)]
     text = "\n".join(sections) + "\n"
     print("\n" + text, flush=True)
     (out_dir / "table.md").write_text(text)
-    (out_dir / "results.json").write_text(json.dumps({"environment": env, "records": records}, indent=1))
+    (out_dir / "results.json").write_text(json.dumps({
+        "machine": machine_record, "machine_rates": {"start": machine.as_json(rates[0]), "end": machine.as_json(rates[1])},
+        "environment": env, "results_from_other_cpus": others,
+        "disagreements": [dataclasses.asdict(d) for d in failures], "below_roofline": below, "records": records,
+    }, indent=1, default=str))
     print(f"wrote {out_dir / 'table.md'} and {out_dir / 'results.json'}", flush=True)
     table3 = [r for (grid, _), rows in rows_by_table.items() if grid == "table3" for r in rows]
     if table3:
-        plot_table3(table3, impls, out_dir / "table3.png")
+        plot_table3(table3, shown, out_dir / "table3.png")
+    if failures:
+        print("\nFAILED: implementations disagree beyond the tolerance; their points are not timed:\n"
+              + "\n".join("  " + d.message() for d in failures), file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

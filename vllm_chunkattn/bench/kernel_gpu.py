@@ -33,8 +33,13 @@ to a point says so instead of a time):
   sdpa           torch scaled_dot_product_attention on dense K/V (the "Naive" row)
 Times are GPU time per call in microseconds: each call is captured in a CUDA
 graph and replayed (launch overhead excluded, as the paper measures the
-kernel), falling back to timed eager calls where capture fails. Every
-method's output is checked against `chunk`'s (max abs difference).
+kernel), falling back to timed eager calls where capture fails. Before any
+timing, every method's output is checked against `chunk`'s (max abs
+difference, one tolerance per dtype in bench/agreement.py): a point where one
+differs by more is not timed, and the run exits 1 naming the point, the
+method and the difference. The results record the machine
+(bench/machine.py: the host CPU, the GPU, torch, vLLM, the commit) and warn
+about results of another machine beside them.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.tree import context_from_nodes
 from vllm_chunkattn.testing.paged_cases import multi_level, num_blocks_needed, shared_prefix
@@ -74,6 +80,11 @@ class Point:
         if self.levels:
             return sum(tokens for _, tokens in self.levels) + self.private
         return self.prompt + self.completion
+
+    def label(self) -> str:
+        if self.levels:
+            return f"{self.grid} b={self.batch} levels={list(self.levels)} private={self.private}"
+        return f"{self.grid} b={self.batch} n_p={self.prompt} n_s={self.shared} n_c={self.completion}"
 
 
 def grid_points(names: list[str], quick: bool = False) -> list[Point]:
@@ -373,21 +384,34 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
 
 
 def run_point(point: Point, s: Settings, device: torch.device) -> dict:
+    """Every method's output checked against chunk's first; the methods timed only if all agree."""
     fns, skipped, facts = _method_fns(point, s, device)
     row: dict = {**asdict(point), "context": facts["context"], "nodes": facts["nodes"],
                  "partial_rows": facts["partial_rows"], "tree_build_ms": round(facts["tree_build_ms"], 3),
-                 "times_us": {}, "timing": {}, "max_abs_diff_vs_chunk": {}, "skipped": skipped}
-    reference_out = None
+                 "times_us": {}, "timing": {}, "max_abs_diff_vs_chunk": {}, "skipped": skipped, "disagreements": []}
+    outputs: dict[str, torch.Tensor] = {}
     for method in s.methods:
         if method not in fns:
             continue
         try:
-            out = fns[method]()  # every method returns [batch, heads, head_size]
+            outputs[method] = fns[method]().float().clone()  # every method returns [batch, heads, head_size]
             torch.cuda.synchronize()
-            if method == "chunk":
-                reference_out = out.float().clone()
-            elif reference_out is not None:
-                row["max_abs_diff_vs_chunk"][method] = float((out.float() - reference_out).abs().max())
+        except Exception as e:
+            skipped[method] = f"{type(e).__name__}: {e}"
+    if "chunk" not in outputs:
+        skipped.setdefault("chunk", "not run")
+        row["disagreements"] = [asdict(agreement.Disagreement(point.label(), "chunk", "chunk", math.inf, 0.0))]
+        return row
+    diffs = {m: agreement.max_abs_diff(out, outputs["chunk"]) for m, out in outputs.items() if m != "chunk"}
+    row["max_abs_diff_vs_chunk"] = diffs
+    row["disagreements"] = [asdict(d) for d in agreement.check(point.label(), getattr(torch, s.dtype), diffs, "chunk")]
+    del outputs
+    if row["disagreements"]:
+        return row
+    for method in s.methods:
+        if method not in fns or method in skipped:
+            continue
+        try:
             us, mode = time_gpu(fns[method], s.iters, graph=s.graph)
             row["times_us"][method] = round(us, 2)
             row["timing"][method] = mode
@@ -439,37 +463,67 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernel_gpu: vllm_chunkattn._C_cuda not built ({ops.CUDA_KERNELS_ERROR}); see docs/cuda.md",
               file=sys.stderr)
         return 2
+    # chunk is the reference every other method's output is checked against.
+    methods = ["chunk"] + [m for m in args.methods if m != "chunk"]
     settings = Settings(heads=args.heads, kv_heads=args.kv_heads, head_size=args.head_size,
                         block_size=args.block_size, dtype=args.dtype, iters=args.iters, graph=not args.eager,
-                        methods=list(args.methods))
+                        methods=methods)
     device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    record = machine.describe_machine()
+    record["gpu"] = f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)"
+    record["cpu_identity"] = machine.cpu_identity(record)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    others = machine.results_from_other_cpus(out.parent, record["cpu_identity"],
+                                             exclude=(out.with_suffix(".json"), out.with_suffix(".md")))
+    print(machine.describe_line(record), flush=True)
+    for line in others:
+        print(f"WARNING: {out.parent} holds results of another machine: {line}", flush=True)
+    points = grid_points(args.grids, args.quick)
+    costs = [p.batch * p.context for p in points]  # the KV a baseline without sharing reads
+    started = time.monotonic()
     rows = []
-    for point in grid_points(args.grids, args.quick):
+    for i, point in enumerate(points):
+        elapsed = time.monotonic() - started
+        done = sum(costs[:i])
+        eta = f"ETA {elapsed * sum(costs[i:]) / done:.0f} s" if done else "ETA -"
+        print(f"[{elapsed:.0f} s | {i + 1}/{len(points)} | {eta}] {point.label()} ...", flush=True)
         row = run_point(point, settings, device)
         rows.append(row)
+        for d in row["disagreements"]:
+            print(f"FAILED: {agreement.Disagreement(**d).message()}", flush=True)
         print(json.dumps({k: row[k] for k in ("grid", "batch", "prompt", "shared", "completion", "times_us")}),
               flush=True)
         torch.cuda.empty_cache()
-    props = torch.cuda.get_device_properties(device)
+    failures = [agreement.Disagreement(**d) for r in rows for d in r["disagreements"]]
     meta = {"device": props.name, "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
             "cuda": torch.version.cuda, "settings": asdict(settings)}
-    table = markdown(rows, settings.methods)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    table = markdown([r for r in rows if not r["disagreements"]], settings.methods)
+    out.with_suffix(".json").write_text(json.dumps({"machine": record, "meta": meta, "results_from_other_cpus": others,
+                                                    "disagreements": [asdict(d) for d in failures], "rows": rows},
+                                                   indent=1, default=str))
     skipped = sorted({f"{m}: {why}" for r in rows for m, why in r["skipped"].items()})
     notes = "\n".join(f"- {s}" for s in skipped)
+    failed = ("**THIS RUN FAILED: methods disagree with chunk beyond the tolerance (bench/agreement.py); these "
+              "points are not timed and not in the table:**\n\n" + "\n".join(f"- {d.message()}" for d in failures)
+              + "\n\n") if failures else ""
     out.with_suffix(".md").write_text(
         f"GPU: {props.name} (sm_{props.major}{props.minor}), torch {torch.__version__}, "
         f"{settings.heads} heads ({settings.kv_heads} KV) x {settings.head_size}, block {settings.block_size}, "
-        f"{settings.dtype}; GPU time per call (CUDA-graph replay unless noted).\n\n{table}\n"
+        f"{settings.dtype}; GPU time per call (CUDA-graph replay unless noted).\n\n"
+        f"{failed}{machine.describe_line(record)}\n\n{machine.IDENTITY_LINE.format(record['cpu_identity'])}\n\n"
+        + "\n".join(machine.other_cpu_warning(others)) + f"{table}\n"
         + (f"\nNot measured:\n{notes}\n" if notes else "")
     )
     print()
     print(table)
     print(f"\nwritten: {out.with_suffix('.json')}, {out.with_suffix('.md')}")
+    if failures:
+        print("FAILED: methods disagree with chunk beyond the tolerance; their points are not timed:\n"
+              + "\n".join("  " + d.message() for d in failures), file=sys.stderr)
+        return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

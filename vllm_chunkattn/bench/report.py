@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from vllm_chunkattn.bench import machine
+
 SERVERS = ("stock", "chunk")
 
 
@@ -185,6 +187,10 @@ def targets_table(records: list[dict], workloads: list[dict]) -> list[str]:
 def markdown(results: dict) -> str:
     records, workloads = results["runs"], results["workloads"]
     lines = ["## Serving benchmark: chunk vs stock vLLM", ""]
+    if results.get("machine"):
+        lines += [machine.describe_line(results["machine"]), "",
+                  machine.IDENTITY_LINE.format(results["machine"]["cpu_identity"]), ""]
+    lines += machine.other_cpu_warning(results.get("results_from_other_cpus") or [])
     if results.get("command"):
         lines += ["```", results["command"], "```", ""]
     if results.get("setup"):

