@@ -5,6 +5,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "kernel_tables.h"
 
@@ -50,7 +52,41 @@ Isa current_isa() {
 
 }  // namespace
 
-const char* supported_head_sizes() { return CHUNKATTN_HEAD_SIZES_STR; }
+const CompiledSupport& compiled_support() {
+  static const CompiledSupport support = [] {
+    CompiledSupport s;
+#define CHUNKATTN_ADD_HEAD_SIZE(D) s.head_sizes.push_back(D);
+#define CHUNKATTN_ADD_DTYPE(T, SCALAR, NAME) s.dtypes.push_back(NAME);
+    CHUNKATTN_FOR_EACH_HEAD_SIZE(CHUNKATTN_ADD_HEAD_SIZE)
+    CHUNKATTN_FOR_EACH_DTYPE(CHUNKATTN_ADD_DTYPE)
+#undef CHUNKATTN_ADD_HEAD_SIZE
+#undef CHUNKATTN_ADD_DTYPE
+    return s;
+  }();
+  return support;
+}
+
+bool supports_dtype(c10::ScalarType dtype) {
+#define CHUNKATTN_IS_DTYPE(T, SCALAR, NAME) dtype == c10::ScalarType::SCALAR ||
+  return CHUNKATTN_FOR_EACH_DTYPE(CHUNKATTN_IS_DTYPE) false;
+#undef CHUNKATTN_IS_DTYPE
+}
+
+namespace {
+template <typename Items>
+std::string join(const Items& items) {
+  std::string text;
+  for (const auto& item : items) {
+    if (!text.empty()) text += ", ";
+    if constexpr (std::is_arithmetic_v<typename Items::value_type>) text += std::to_string(item);
+    else text += item;
+  }
+  return text;
+}
+}  // namespace
+
+std::string supported_head_sizes() { return join(compiled_support().head_sizes); }
+std::string supported_dtypes() { return join(compiled_support().dtypes); }
 
 const char* active_isa() {
   switch (current_isa()) {
@@ -62,8 +98,8 @@ const char* active_isa() {
 }
 
 const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size) {
-  TORCH_CHECK(kv_dtype == at::kFloat || kv_dtype == at::kHalf || kv_dtype == at::kBFloat16,
-              "chunkattn: KV cache dtype must be float32, float16 or bfloat16, got ", kv_dtype);
+  TORCH_CHECK(supports_dtype(kv_dtype), "chunkattn: the CPU kernels support KV cache dtypes ", supported_dtypes(),
+              "; got ", kv_dtype);
   const KernelTable* table = nullptr;
   switch (current_isa()) {
     case Isa::kAvx512Bf16: table = avx512bf16_table(kv_dtype, head_size); break;
@@ -72,7 +108,7 @@ const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size) {
     default: table = scalar_table(kv_dtype, head_size); break;
   }
   TORCH_CHECK(table != nullptr, "chunkattn: head size ", head_size, " is not supported by the CPU kernels (supported: ",
-              CHUNKATTN_HEAD_SIZES_STR, ")");
+              supported_head_sizes(), ")");
   return *table;
 }
 
