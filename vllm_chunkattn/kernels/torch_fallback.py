@@ -20,6 +20,12 @@ from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix.tree import PrefixTreeContext
 
 
+def _exp_base(m: torch.Tensor) -> torch.Tensor:
+    """What exponentials are taken against for running max m: m, or 0 where no
+    key was seen (m = -inf), so that exp(-inf - 0) = 0 and not NaN."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
 def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
     """q [..., M, D] against k, v [..., L, D] -> (o [..., M, D], m [..., M], n [..., M]).
 
@@ -29,8 +35,7 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     m = scores.amax(dim=-1)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(scores - m_safe.unsqueeze(-1))
+    e = torch.exp(scores - _exp_base(m).unsqueeze(-1))
     return e @ v, m, e.sum(dim=-1)
 
 
@@ -38,9 +43,7 @@ def _merge(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, dim: int):
     """Merge partial states stacked along `dim` (of m and n; o has one more
     trailing dim) -> (o, m, n) of the merged state, o unnormalised."""
     m_total = m.amax(dim=dim, keepdim=True)
-    # exp(m - m_total) with -inf for a part that saw no key: 0, and not the
-    # NaN of -inf - -inf where no part saw one.
-    weight = torch.exp(m - torch.where(torch.isinf(m_total), torch.zeros_like(m_total), m_total))
+    weight = torch.exp(m - _exp_base(m_total))  # 0 for a part that saw no key
     n_total = (weight * n).sum(dim=dim)
     o_total = (weight.unsqueeze(-1) * o).sum(dim=dim)
     return o_total, m_total.squeeze(dim), n_total
