@@ -30,4 +30,10 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
                    const torch::Tensor& block_table, double scale);
 
+// Merge of two normalised attention results by their log-sum-exps (csrc/cpu/merge_attn_states.cpp).
+void merge_attn_states(torch::Tensor& output, const torch::Tensor& prefix_output, const torch::Tensor& prefix_lse,
+                       const torch::Tensor& suffix_output, const torch::Tensor& suffix_lse,
+                       const std::optional<torch::Tensor>& output_lse,
+                       std::optional<int64_t> prefill_tokens_with_context);
+
 }  // namespace chunkattn

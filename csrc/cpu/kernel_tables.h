@@ -1,5 +1,9 @@
 // Head sizes and KV dtypes the compiled tiles are instantiated for, and the
-// lookup of one ISA's tables. Used by kernels_<isa>.cpp only.
+// lookup of one ISA's tables. The lists are the CPU build's single statement
+// of what it supports: select_kernels' checks and messages and the
+// `kernel_support()` function of the _C module are generated from them, and
+// tests/kernels/test_kernel_support.py holds them to
+// vllm_chunkattn/kernels/support.py (CPU).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -11,8 +15,10 @@
 #include "kernels.h"
 
 // Head sizes: multiples of 16 (one AVX-512 register) that models use.
-#define CHUNKATTN_FOR_EACH_HEAD_SIZE(X) X(64) X(80) X(96) X(112) X(128) X(256)
-#define CHUNKATTN_HEAD_SIZES_STR "64, 80, 96, 112, 128, 256"
+#define CHUNKATTN_FOR_EACH_HEAD_SIZE(X) X(64) X(128) X(256)
+// KV cache (and query) dtypes: X(C++ element type, c10::ScalarType enumerator, torch name).
+#define CHUNKATTN_FOR_EACH_DTYPE(X) \
+  X(float, Float, "float32") X(c10::Half, Half, "float16") X(c10::BFloat16, BFloat16, "bfloat16")
 
 // Defines `const KernelTable* FN(ScalarType, int64_t)` returning &NS::kTable<T, D>,
 // or nullptr when (dtype, head size) is not instantiated. Must be expanded
@@ -31,11 +37,12 @@
   }                                                                                            \
   }                                                                                            \
   const KernelTable* FN(c10::ScalarType dtype, int64_t head_size) {                           \
+    using NS::table_for;                                                                       \
     switch (dtype) {                                                                           \
-      case c10::ScalarType::Float: return NS::table_for<float>(head_size);                     \
-      case c10::ScalarType::Half: return NS::table_for<c10::Half>(head_size);                  \
-      case c10::ScalarType::BFloat16: return NS::table_for<c10::BFloat16>(head_size);          \
+      CHUNKATTN_FOR_EACH_DTYPE(CHUNKATTN_CASE_TABLE_DTYPE)                                     \
       default: return nullptr;                                                                 \
     }                                                                                          \
   }                                                                                            \
   }
+#define CHUNKATTN_CASE_TABLE_DTYPE(T, SCALAR, NAME) \
+  case c10::ScalarType::SCALAR: return table_for<T>(head_size);

@@ -14,6 +14,8 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace chunkattn::cpu {
 
@@ -67,8 +69,17 @@ struct KernelTable {
 // Throws (TORCH_CHECK) for an unsupported head size or dtype.
 const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size);
 
-// Comma-separated list of supported head sizes, for error messages.
-const char* supported_head_sizes();
+// What the tiles are instantiated for (kernel_tables.h), on every ISA alike.
+struct CompiledSupport {
+  std::vector<int64_t> head_sizes;
+  std::vector<std::string> dtypes;  // torch names: "float32", "float16", "bfloat16"
+};
+const CompiledSupport& compiled_support();
+bool supports_dtype(c10::ScalarType dtype);
+
+// "64, 128, 256" and "float32, float16, bfloat16": what error messages name.
+std::string supported_head_sizes();
+std::string supported_dtypes();
 
 // Name of the ISA select_kernels would use now.
 const char* active_isa();

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/partial_state.h"
 #include "kernel_tables.h"
 #include "simd.h"
 

@@ -150,9 +150,8 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
               "chunkattn: query and out must be [num_tokens, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "chunkattn: out dtype must match query dtype");
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kHalf ||
-                  query.scalar_type() == at::kBFloat16,
-              "chunkattn: query dtype must be float32, float16 or bfloat16");
+  TORCH_CHECK(cpu::supports_dtype(query.scalar_type()), "chunkattn: the CPU kernels support query dtypes ",
+              cpu::supported_dtypes(), "; got ", query.scalar_type());
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
               "chunkattn: kv_cache must be contiguous [num_blocks, num_kv_heads, block_size, 2*head_size]");
   TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "chunkattn: num_heads must be a multiple of num_kv_heads");

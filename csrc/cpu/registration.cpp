@@ -1,5 +1,9 @@
-// Registers the CPU kernels as torch custom ops in the `chunkattn` namespace,
-// so Python calls them as torch.ops.chunkattn.<name>, like vLLM's own ops.
+// The `chunkattn` torch library: the one place the op schemas are written
+// (TORCH_LIBRARY), and the CPU kernels (TORCH_LIBRARY_IMPL). Python calls the
+// ops as torch.ops.chunkattn.<name>, like vLLM's own ops; the CUDA extension
+// (csrc/cuda/registration.cpp) adds CUDA kernels to these schemas and
+// vllm_chunkattn/kernels/fake_ops.py their fake kernels, by op name.
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "chunkattn.h"
@@ -19,7 +23,12 @@ TORCH_LIBRARY(chunkattn, m) {
   m.def(
       "paged_prefill(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_table, float scale) -> ()");
-  // Which SIMD build the CPU kernels use now (avx512|avx2|scalar); for tests and benchmarks.
+  // vLLM's merge_attn_states (vllm/v1/attention/ops/merge_attn_states.py), argument for argument, less
+  // its FP8 output_scale: outputs [T, H, D], log-sum-exps [H, T] float32.
+  m.def(
+      "merge_attn_states(Tensor(a!) output, Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, "
+      "Tensor suffix_lse, Tensor(b!)? output_lse=None, int? prefill_tokens_with_context=None) -> ()");
+  // Which SIMD build the CPU kernels use now (avx512bf16|avx512|avx2|scalar); for tests and benchmarks.
   m.def("cpu_isa() -> str", &cpu_isa);
 }
 
@@ -27,7 +36,19 @@ TORCH_LIBRARY_IMPL(chunkattn, CPU, m) {
   m.impl("write_kv_cache", &chunkattn::write_kv_cache);
   m.impl("tpp_decode", &chunkattn::tpp_decode);
   m.impl("paged_prefill", &chunkattn::paged_prefill);
+  m.impl("merge_attn_states", &chunkattn::merge_attn_states);
 }
 
 // Importing vllm_chunkattn._C loads this library and runs the registrations above.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def(
+      "kernel_support",
+      [] {
+        const chunkattn::cpu::CompiledSupport& s = chunkattn::cpu::compiled_support();
+        pybind11::dict d;
+        d["head_sizes"] = s.head_sizes;
+        d["dtypes"] = s.dtypes;
+        return d;
+      },
+      "Head sizes and dtypes (torch names) the CPU kernels are instantiated for (csrc/cpu/kernel_tables.h).");
+}

@@ -40,6 +40,7 @@
 #include <thread>
 
 #include "chunkattn.h"
+#include "common/partial_state.h"
 #include "cpu/driver_utils.h"
 #include "cpu/kernels.h"
 
@@ -228,7 +229,6 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     float* q = scr.get(0, rows * D);
     float* o = scr.get(1, rows * D);
     float* mn = scr.get(2, 2 * rows);
-    float* acc = scr.get(3, D);
     float* m = mn;
     float* n = mn + rows;
     for (int64_t r = 0; r < rows; ++r)
@@ -252,34 +252,23 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
     }
 
-    // Merge (equation 2): rescale every part to the common max, sum, normalise once.
+    // Merge (equation 2): each node partial into the row's own part, in place; normalise once.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t h = h0 + r / group, g = r % group;
-      auto for_each_partial = [&](auto&& fn) {
-        for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-          const int32_t p = rp[e];
-          const int32_t k = plan.partial_node[p];
-          const int64_t t = p - npo[k];
-          for (int32_t s = 0; s < plan.splits[k]; ++s)
-            fn(h * part_rows + (plan.slot_base[k] + static_cast<int64_t>(s) * plan.rows[k] + t) * group + g);
+      PartialState total{m[r], n[r]};
+      float* acc = o + r * D;
+      for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
+        const int32_t p = rp[e];
+        const int32_t k = plan.partial_node[p];
+        const int64_t t = p - npo[k];
+        for (int32_t s = 0; s < plan.splits[k]; ++s) {
+          const int64_t row = h * part_rows + (plan.slot_base[k] + static_cast<int64_t>(s) * plan.rows[k] + t) * group + g;
+          const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m[row], part_n[row]});
+          const float* po = part_o + row * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
         }
-      };
-      float m_total = m[r];
-      for_each_partial([&](int64_t row) { m_total = std::max(m_total, part_m[row]); });
-      const float* own = o + r * D;
-      const float w_own = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - m_total);
-      float n_total = w_own * n[r];
-      for (int64_t d = 0; d < D; ++d) acc[d] = w_own * own[d];
-      for_each_partial([&](int64_t row) {
-        if (part_m[row] == -std::numeric_limits<float>::infinity()) return;
-        const float w = std::exp(part_m[row] - m_total);
-        n_total += w * part_n[row];
-        const float* po = part_o + row * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * po[d];
-      });
-      const float inv = 1.f / n_total;
-      for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1);
+      }
+      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1, inverse_sum(total.n));
     }
   };
 

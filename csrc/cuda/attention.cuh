@@ -73,14 +73,6 @@ struct SmemLayout {
   static_assert(kKvTile % 16 == 0 && D % 16 == 0, "tiles are multiples of the MMA shape");
 };
 
-#ifndef CHUNKATTN_EMULATE
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));  // ex2(-inf) = +0
-  return y;
-}
-#endif
-
 // Where one sequence's keys and values are: the cache, its block-table row,
 // and the KV head.
 template <typename T>
@@ -212,14 +204,12 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
       }
       max0 = quad_max(max0);
       max1 = quad_max(max1);
-      const float new0 = fmaxf(m0, max0), new1 = fmaxf(m1, max1);
-      // A row that has seen nothing yet keeps m = -inf; subtract 0 then so
-      // that exp2 gives 0 and never NaN.
-      const float base0 = new0 == kNegInf ? 0.f : new0;
-      const float base1 = new1 == kNegInf ? 0.f : new1;
-      const float alpha0 = fast_exp2(m0 - base0), alpha1 = fast_exp2(m1 - base1);
-      m0 = new0;
-      m1 = new1;
+      // A row that has seen nothing yet keeps m = -inf and base 0 (exp_base).
+      const MaxUpdate update0 = update_max<Log2Exp>(m0, max0), update1 = update_max<Log2Exp>(m1, max1);
+      const float base0 = update0.base, base1 = update1.base;
+      const float alpha0 = update0.rescale, alpha1 = update1.rescale;
+      m0 = update0.m;
+      m1 = update1.m;
       float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -319,23 +309,14 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
   for (int i = tid; i < num_rows * (D / 4); i += kThreads) {
     const int r = i / (D / 4), d = (i % (D / 4)) * 4;
     const int group = r >> 4, lr = r & 15;
-    float m = kNegInf;
-    for (int k = 0; k < kv_groups; ++k) m = fmaxf(m, s_m[(k * row_groups + group) * 16 + lr]);
-    float n = 0.f;
+    PartialState state;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int k = 0; k < kv_groups; ++k) {
       const int w = k * row_groups + group;
-      const float mk = s_m[w * 16 + lr];
-      if (mk == kNegInf) continue;
-      const float c = fast_exp2(mk - m);
-      n += c * s_l[w * 16 + lr];
-      const float4 ok = *reinterpret_cast<const float4*>(s_o + (w * 16 + lr) * L::kOutLd + d);
-      o.x += c * ok.x;
-      o.y += c * ok.y;
-      o.z += c * ok.z;
-      o.w += c * ok.w;
+      const MergeScales scales = merge<Log2Exp>(state, PartialState{s_m[w * 16 + lr], s_l[w * 16 + lr]});
+      o = combine4(o, *reinterpret_cast<const float4*>(s_o + (w * 16 + lr) * L::kOutLd + d), scales);
     }
-    epilogue(r, d, o, m, n);
+    epilogue(r, d, o, state.m, state.n);
   }
 }
 

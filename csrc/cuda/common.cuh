@@ -13,7 +13,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/launch.h"
+#include "cuda/launch.h"  // first: under the emulator it defines __host__/__device__ for what follows
+#include "common/partial_state.h"
 
 // Kernel launch that the CPU emulator (tests/emulator, CHUNKATTN_EMULATE) can
 // also run; `kernel` must be a single token (use a local alias for templates).
@@ -34,8 +35,35 @@ __device__ __forceinline__ char* dynamic_smem() {
 
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+#ifndef CHUNKATTN_EMULATE  // the emulator provides it (tests/cuda/emulator/simt_emulator.h)
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));  // ex2(-inf) = +0
+  return y;
+}
+#endif
+
+// The exponential of every CUDA kernel's partial states (common/partial_state.h):
+// scores are kept in the log2 domain (q.k * scale * log2(e)), so exp2.
+struct Log2Exp {
+  __host__ __device__ static __forceinline__ float exp(float x) {
+#if defined(__CUDA_ARCH__) || defined(CHUNKATTN_EMULATE)
+    return fast_exp2(x);
+#else
+    return exp2f(x);
+#endif
+  }
+};
+
+// combine() of common/partial_state.h on the four columns one thread holds.
+__host__ __device__ __forceinline__ float4 combine4(float4 running, float4 part, const MergeScales& s) {
+  return make_float4(combine(running.x, part.x, s), combine(running.y, part.y, s), combine(running.z, part.z, s),
+                     combine(running.w, part.w, s));
+}
 
 // ------------------------------------------------------------ 16-bit types
 template <typename T>
@@ -50,6 +78,7 @@ struct Float16<__half> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  __device__ static __forceinline__ float to_float(__half x) { return __half2float(x); }
 };
 
 template <>
@@ -59,6 +88,7 @@ struct Float16<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
 #ifndef CHUNKATTN_EMULATE  // the emulator provides these (tests/emulator/simt_emulator.h)

@@ -20,9 +20,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/dispatch.h"
+
 namespace chunkattn::cuda {
 
-enum class DType : int { kHalf = 0, kBFloat16 = 1 };
+// The attention dtypes of dispatch.h.
+#define CHUNKATTN_DTYPE_ENUMERATOR(ENUM, T, SCALAR, NAME) ENUM,
+enum class DType : int { CHUNKATTN_CUDA_FOR_EACH_DTYPE(CHUNKATTN_DTYPE_ENUMERATOR) };
+#undef CHUNKATTN_DTYPE_ENUMERATOR
 
 // ---------------------------------------------------------------- KV write
 struct KvWriteArgs {
@@ -95,6 +100,27 @@ struct PrefillArgs {
 };
 size_t paged_prefill_workspace_bytes(const PrefillArgs& args);
 void launch_paged_prefill(const PrefillArgs& args, void* workspace, cudaStream_t stream);
+
+// ------------------------------------------------------ merge_attn_states
+// vLLM's merge_attn_states (csrc/cpu/merge_attn_states.cpp states the contract).
+struct MergeArgs {
+  DType dtype;
+  void* output;               // [num_tokens, num_heads, head_size]
+  const void* prefix_output;  // same shape and dtype
+  const void* suffix_output;
+  const float* prefix_lse;  // [num_heads, num_tokens]
+  const float* suffix_lse;
+  float* output_lse;  // optional (nullptr)
+  int num_tokens, num_heads, head_size;
+  int tokens_with_context;  // tokens from here on take the suffix as is
+  int64_t output_stride_token, output_stride_head;  // elements
+  int64_t prefix_stride_token, prefix_stride_head;
+  int64_t suffix_stride_token, suffix_stride_head;
+  int64_t prefix_lse_stride_head, prefix_lse_stride_token;
+  int64_t suffix_lse_stride_head, suffix_lse_stride_token;
+  int64_t output_lse_stride_head, output_lse_stride_token;
+};
+void launch_merge_attn_states(const MergeArgs& args, cudaStream_t stream);
 
 // Throws std::runtime_error on a CUDA launch error (the torch wrapper turns it
 // into a Python RuntimeError).

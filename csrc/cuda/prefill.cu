@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attend_kernel(PrefillKernelP
       },
       kv, 0, t_end, [&](int r) { return context + u0 + r / G; }, p.scale_log2,
       [&](int r, int d, float4 o, float m, float n) {
-        const float inv = n > 0.f ? 1.f / n : 0.f;
+        const float inv = inverse_sum(n);
         store4<T>(out + (row0 + r / G) * p.out_stride_row + static_cast<int64_t>(h * G + r % G) * p.out_stride_head + d,
                   o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       });
@@ -146,27 +146,27 @@ void run_prefill(const PrefillArgs& a, void* workspace, cudaStream_t stream, siz
 
 template <typename T>
 void dispatch_head_size(const PrefillArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
+#define CHUNKATTN_CASE_HEAD_SIZE(D) \
+  case D:                           \
+    return run_prefill<T, D>(a, workspace, stream, bytes_only);
   switch (a.head_size) {
-#ifndef CHUNKATTN_CI_MINIMAL
-    case 64:
-      return run_prefill<T, 64>(a, workspace, stream, bytes_only);
-    case 256:
-      return run_prefill<T, 256>(a, workspace, stream, bytes_only);
-#endif
-    case 128:
-      return run_prefill<T, 128>(a, workspace, stream, bytes_only);
+    CHUNKATTN_CUDA_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_HEAD_SIZE)
     default:
-      throw std::runtime_error("chunkattn CUDA paged_prefill: unsupported head size " +
-                               std::to_string(a.head_size) + " (supported: 64, 128, 256)");
+      throw std::runtime_error("chunkattn CUDA paged_prefill: unsupported head size " + std::to_string(a.head_size) +
+                               " (supported: " + supported_head_sizes() + ")");
   }
+#undef CHUNKATTN_CASE_HEAD_SIZE
 }
 
 void dispatch(const PrefillArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
-  if (a.dtype == DType::kBFloat16) {
-    dispatch_head_size<__nv_bfloat16>(a, workspace, stream, bytes_only);
-  } else {
-    dispatch_head_size<__half>(a, workspace, stream, bytes_only);
+#define CHUNKATTN_CASE_DTYPE(ENUM, T, SCALAR, NAME) \
+  case DType::ENUM:                                 \
+    return dispatch_head_size<T>(a, workspace, stream, bytes_only);
+  switch (a.dtype) {
+    CHUNKATTN_CUDA_FOR_EACH_DTYPE(CHUNKATTN_CASE_DTYPE)
   }
+#undef CHUNKATTN_CASE_DTYPE
+  throw std::runtime_error("chunkattn CUDA paged_prefill: unsupported dtype (supported: " + supported_dtypes() + ")");
 }
 
 }  // namespace

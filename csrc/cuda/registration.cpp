@@ -4,8 +4,7 @@
 // this library only adds TORCH_LIBRARY_IMPL(chunkattn, CUDA, ...): one Python
 // call (torch.ops.chunkattn.<name>) dispatches on the tensors' device.
 // Import order: vllm_chunkattn._C, then vllm_chunkattn._C_cuda (ops.py).
-// Fake (meta) implementations for torch.compile live in Python
-// (vllm_chunkattn/fake_ops.py): the ops only mutate their `(a!)` arguments.
+// Fake kernels for torch.compile live in Python (vllm_chunkattn/kernels/fake_ops.py).
 #include <torch/extension.h>
 
 #include "cuda/torch_ops.h"
@@ -14,6 +13,7 @@ TORCH_LIBRARY_IMPL(chunkattn, CUDA, m) {
   m.impl("write_kv_cache", &chunkattn::cuda_ops::write_kv_cache);
   m.impl("tpp_decode", &chunkattn::cuda_ops::tpp_decode);
   m.impl("paged_prefill", &chunkattn::cuda_ops::paged_prefill);
+  m.impl("merge_attn_states", &chunkattn::cuda_ops::merge_attn_states);
 }
 
 // Importing vllm_chunkattn._C_cuda loads this library and runs the registrations above.

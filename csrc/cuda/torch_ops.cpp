@@ -8,8 +8,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/all.h>
 
+#include <algorithm>
 #include <exception>
 
+#include "cuda/dispatch.h"
 #include "cuda/launch.h"
 
 namespace chunkattn::cuda_ops {
@@ -19,9 +21,12 @@ namespace {
 using chunkattn::cuda::DType;
 
 DType attention_dtype(const at::Tensor& t, const char* op) {
-  if (t.scalar_type() == at::kHalf) return DType::kHalf;
-  if (t.scalar_type() == at::kBFloat16) return DType::kBFloat16;
-  TORCH_CHECK(false, "chunkattn::", op, " on CUDA supports float16 and bfloat16, got ", t.scalar_type());
+#define CHUNKATTN_CASE_DTYPE(ENUM, T, SCALAR, NAME) \
+  if (t.scalar_type() == at::ScalarType::SCALAR) return DType::ENUM;
+  CHUNKATTN_CUDA_FOR_EACH_DTYPE(CHUNKATTN_CASE_DTYPE)
+#undef CHUNKATTN_CASE_DTYPE
+  TORCH_CHECK(false, "chunkattn::", op, " on CUDA supports ", chunkattn::cuda::supported_dtypes(), ", got ",
+              t.scalar_type());
 }
 
 void check_index(const at::Tensor& t, const char* name, const at::Device& device, int64_t min_numel) {
@@ -55,8 +60,8 @@ void check_cache(const at::Tensor& kv_cache, const at::Tensor& query, const char
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) == 2 * query.size(2),
               "kv_cache must be [num_blocks, num_kv_heads, block_size, 2 * head_size]");
   const int64_t block_size = kv_cache.size(2);
-  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= 1024,
-              "chunkattn::", op, " on CUDA needs a power-of-two block size, got ", block_size);
+  TORCH_CHECK(chunkattn::cuda::supports_block_size(static_cast<int>(block_size)), "chunkattn::", op,
+              " on CUDA supports block sizes ", chunkattn::cuda::supported_block_sizes(), ", got ", block_size);
   TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
               "kv_cache: each block and KV head must be a contiguous [block_size, 2 * head_size] tile");
   TORCH_CHECK(is_aligned(kv_cache.data_ptr(), 16) && kv_cache.stride(0) % 8 == 0 && kv_cache.stride(1) % 8 == 0,
@@ -70,8 +75,8 @@ void check_query(const at::Tensor& query, const at::Tensor& out, const at::Tenso
                   out.device() == query.device(),
               "chunkattn::", op, ": out must have the query's shape, dtype and device");
   const int64_t head_size = query.size(2);
-  TORCH_CHECK(head_size == 64 || head_size == 128 || head_size == 256, "chunkattn::", op,
-              " on CUDA supports head sizes 64, 128, 256, got ", head_size);
+  TORCH_CHECK(chunkattn::cuda::supports_head_size(static_cast<int>(head_size)), "chunkattn::", op,
+              " on CUDA supports head sizes ", chunkattn::cuda::supported_head_sizes(), ", got ", head_size);
   check_cache(kv_cache, query, op);
   const int64_t heads = query.size(1), kv_heads = kv_cache.size(1);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 64, "chunkattn::", op, ": ", heads,
@@ -257,6 +262,63 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
     chunkattn::cuda::launch_paged_prefill(a, workspace.data_ptr(), stream);
   });
   if (!out_ok) out.copy_(dst);
+}
+
+void merge_attn_states(at::Tensor& output, const at::Tensor& prefix_output, const at::Tensor& prefix_lse,
+                       const at::Tensor& suffix_output, const at::Tensor& suffix_lse,
+                       const std::optional<at::Tensor>& output_lse, std::optional<int64_t> prefill_tokens_with_context) {
+  TORCH_CHECK(output.is_cuda() && output.dim() == 3 && output.stride(2) == 1,
+              "chunkattn::merge_attn_states: output must be a CUDA tensor [num_tokens, num_heads, head_size] with "
+              "contiguous head_size elements");
+  const DType dtype = attention_dtype(output, "merge_attn_states");
+  const at::Device device = output.device();
+  for (const auto* t : {&prefix_output, &suffix_output}) {
+    TORCH_CHECK(t->device() == device && t->sizes() == output.sizes() && t->scalar_type() == output.scalar_type() &&
+                    t->stride(2) == 1,
+                "chunkattn::merge_attn_states: prefix_output and suffix_output must have output's device, shape ",
+                output.sizes(), " and dtype, with contiguous head_size elements");
+  }
+  const int64_t num_tokens = output.size(0), num_heads = output.size(1);
+  auto check_lse = [&](const at::Tensor& lse, const char* name) {
+    TORCH_CHECK(lse.device() == device && lse.scalar_type() == at::kFloat && lse.dim() == 2 &&
+                    lse.size(0) == num_heads && lse.size(1) == num_tokens,
+                "chunkattn::merge_attn_states: ", name, " must be float32 [num_heads, num_tokens] = [", num_heads,
+                ", ", num_tokens, "] on ", device);
+  };
+  check_lse(prefix_lse, "prefix_lse");
+  check_lse(suffix_lse, "suffix_lse");
+  if (output_lse) check_lse(*output_lse, "output_lse");
+  const int64_t tokens_with_context = prefill_tokens_with_context.value_or(num_tokens);
+  TORCH_CHECK(tokens_with_context >= 0, "chunkattn::merge_attn_states: prefill_tokens_with_context must be >= 0");
+  if (num_tokens == 0 || num_heads == 0) return;
+
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  chunkattn::cuda::MergeArgs a{};
+  a.dtype = dtype;
+  a.output = output.data_ptr();
+  a.prefix_output = prefix_output.data_ptr();
+  a.suffix_output = suffix_output.data_ptr();
+  a.prefix_lse = prefix_lse.data_ptr<float>();
+  a.suffix_lse = suffix_lse.data_ptr<float>();
+  a.output_lse = output_lse ? output_lse->data_ptr<float>() : nullptr;
+  a.num_tokens = static_cast<int>(num_tokens);
+  a.num_heads = static_cast<int>(num_heads);
+  a.head_size = static_cast<int>(output.size(2));
+  a.tokens_with_context = static_cast<int>(std::min(tokens_with_context, num_tokens));
+  a.output_stride_token = output.stride(0);
+  a.output_stride_head = output.stride(1);
+  a.prefix_stride_token = prefix_output.stride(0);
+  a.prefix_stride_head = prefix_output.stride(1);
+  a.suffix_stride_token = suffix_output.stride(0);
+  a.suffix_stride_head = suffix_output.stride(1);
+  a.prefix_lse_stride_head = prefix_lse.stride(0);
+  a.prefix_lse_stride_token = prefix_lse.stride(1);
+  a.suffix_lse_stride_head = suffix_lse.stride(0);
+  a.suffix_lse_stride_token = suffix_lse.stride(1);
+  a.output_lse_stride_head = output_lse ? output_lse->stride(0) : 0;
+  a.output_lse_stride_token = output_lse ? output_lse->stride(1) : 0;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  run("merge_attn_states", [&] { chunkattn::cuda::launch_merge_attn_states(a, stream); });
 }
 
 }  // namespace chunkattn::cuda_ops

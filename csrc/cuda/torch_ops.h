@@ -6,6 +6,7 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace chunkattn::cuda_ops {
 
@@ -22,5 +23,9 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
                    double scale);
+
+void merge_attn_states(at::Tensor& output, const at::Tensor& prefix_output, const at::Tensor& prefix_lse,
+                       const at::Tensor& suffix_output, const at::Tensor& suffix_lse,
+                       const std::optional<at::Tensor>& output_lse, std::optional<int64_t> prefill_tokens_with_context);
 
 }  // namespace chunkattn::cuda_ops

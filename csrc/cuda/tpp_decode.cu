@@ -236,18 +236,9 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
       });
 }
 
-// Online-softmax merge of one part (m, n, o) into a running (m, n, o): paper
-// equation (2), in the log2 domain. A part that saw nothing (m = -inf) is skipped.
-__device__ __forceinline__ void merge_part(float& m, float& n, float4& o, float2 ml, float4 po) {
-  if (ml.x == kNegInf) return;
-  const float m_new = fmaxf(m, ml.x);
-  const float a = fast_exp2(m - m_new), c = fast_exp2(ml.x - m_new);
-  o.x = o.x * a + po.x * c;
-  o.y = o.y * a + po.y * c;
-  o.z = o.z * a + po.z * c;
-  o.w = o.w * a + po.w * c;
-  n = n * a + ml.y * c;
-  m = m_new;
+// One part (m, n) = ml, o = po into the running state (paper equation (2), log2 domain).
+__device__ __forceinline__ void merge_part(PartialState& state, float4& o, float2 ml, float4 po) {
+  o = combine4(o, po, merge<Log2Exp>(state, PartialState{ml.x, ml.y}));
 }
 
 template <typename T, int D>
@@ -263,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.out_stride_row;
   for (int i = threadIdx.x; i < G * (D / 4); i += blockDim.x) {
     const int hq = h * G + i / (D / 4), d = (i % (D / 4)) * 4;
-    float m = kNegInf, n = 0.f;
+    PartialState state;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int e = e_begin; e < e_end; ++e) {
       const int row = p.row_partials[e];
@@ -273,14 +264,14 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
         const int slot = meta.x + j * meta.y;
         if (slot < 0 || slot >= p.piece_row_capacity) continue;
         const int64_t idx = static_cast<int64_t>(slot) * p.num_heads + hq;
-        merge_part(m, n, o, p.piece_ml[idx], *reinterpret_cast<const float4*>(p.piece_o + idx * D + d));
+        merge_part(state, o, p.piece_ml[idx], *reinterpret_cast<const float4*>(p.piece_o + idx * D + d));
       }
     }
     for (int s = 0; s < splits; ++s) {
       const int64_t idx = (static_cast<int64_t>(b) * p.num_splits + s) * p.num_heads + hq;
-      merge_part(m, n, o, p.split_ml[idx], *reinterpret_cast<const float4*>(p.split_o + idx * D + d));
+      merge_part(state, o, p.split_ml[idx], *reinterpret_cast<const float4*>(p.split_o + idx * D + d));
     }
-    const float inv = n > 0.f ? 1.f / n : 0.f;
+    const float inv = inverse_sum(state.n);
     store4<T>(out + static_cast<int64_t>(hq) * p.out_stride_head + d, o.x * inv, o.y * inv, o.z * inv, o.w * inv);
   }
 }
@@ -402,27 +393,27 @@ void run_decode(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_
 
 template <typename T>
 void dispatch_head_size(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
+#define CHUNKATTN_CASE_HEAD_SIZE(D) \
+  case D:                           \
+    return run_decode<T, D>(a, workspace, stream, bytes_only);
   switch (a.head_size) {
-#ifndef CHUNKATTN_CI_MINIMAL
-    case 64:
-      return run_decode<T, 64>(a, workspace, stream, bytes_only);
-    case 256:
-      return run_decode<T, 256>(a, workspace, stream, bytes_only);
-#endif
-    case 128:
-      return run_decode<T, 128>(a, workspace, stream, bytes_only);
+    CHUNKATTN_CUDA_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_HEAD_SIZE)
     default:
       throw std::runtime_error("chunkattn CUDA tpp_decode: unsupported head size " + std::to_string(a.head_size) +
-                               " (supported: 64, 128, 256)");
+                               " (supported: " + supported_head_sizes() + ")");
   }
+#undef CHUNKATTN_CASE_HEAD_SIZE
 }
 
 void dispatch(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
-  if (a.dtype == DType::kBFloat16) {
-    dispatch_head_size<__nv_bfloat16>(a, workspace, stream, bytes_only);
-  } else {
-    dispatch_head_size<__half>(a, workspace, stream, bytes_only);
+#define CHUNKATTN_CASE_DTYPE(ENUM, T, SCALAR, NAME) \
+  case DType::ENUM:                                 \
+    return dispatch_head_size<T>(a, workspace, stream, bytes_only);
+  switch (a.dtype) {
+    CHUNKATTN_CUDA_FOR_EACH_DTYPE(CHUNKATTN_CASE_DTYPE)
   }
+#undef CHUNKATTN_CASE_DTYPE
+  throw std::runtime_error("chunkattn CUDA tpp_decode: unsupported dtype (supported: " + supported_dtypes() + ")");
 }
 
 }  // namespace

@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_cuda_compile  # noqa: E402
+
+from vllm_chunkattn.kernels import support  # noqa: E402
 
 NVCC = check_cuda_compile.find_nvcc()
 
@@ -26,11 +29,15 @@ def test_cuda_sources_compile_for_sm80_and_sm90(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     table = (tmp_path / "ptxas.md").read_text()
+    kernel_file = {"tpp_attend_kernel": "tpp_decode.cu", "tpp_merge_kernel": "tpp_decode.cu",
+                   "prefill_attend_kernel": "prefill.cu"}
+    short_dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}
     for arch in ("sm_80", "sm_90"):
-        for dtype in ("fp16", "bf16"):
-            for head_size in (64, 128, 256):
+        for dtype in support.CUDA.dtypes:
+            for head_size in support.CUDA.head_sizes:
                 for kernel in ("tpp_attend_kernel", "tpp_merge_kernel", "prefill_attend_kernel"):
-                    assert f"`{kernel}<{dtype}, {head_size}>` | " in table and f"| {arch} |" in table
+                    assert f"| `{kernel}<{short_dtype[dtype]}, {head_size}>` | {kernel_file[kernel]} | {arch} |" in table
+            assert f"| `merge_attn_states_kernel<{short_dtype[dtype]}>` | merge_attn_states.cu | {arch} |" in table
         for kernel in ("tpp_plan_kernel", "prefill_plan_kernel", "write_kv_kernel<uint4, i64>"):
             assert f"`{kernel}`" in table
     for cu in (ROOT / "csrc" / "cuda").glob("*.cu"):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from emulator import build as emu_build
+from vllm_chunkattn.kernels import support
 from vllm_chunkattn.testing import reference
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.testing.paged_cases import (
@@ -313,5 +314,5 @@ def test_compile_report_states_the_compiled_shared_memory(emu):
     spec = importlib.util.spec_from_file_location("check_cuda_compile", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    for head_size in (64, 128, 256):
+    for head_size in support.CUDA.head_sizes:
         assert script.dynamic_smem_bytes(head_size) == emu.emu_attention_smem_bytes(head_size)

@@ -14,12 +14,11 @@ import functools
 
 import torch
 
-import vllm_chunkattn._C  # noqa: F401  (registers torch.ops.chunkattn.* and their CPU kernels)
-from vllm_chunkattn.kernels import fake_ops
+import vllm_chunkattn._C  # noqa: F401  (defines torch.ops.chunkattn.* and registers their CPU kernels)
+from vllm_chunkattn.kernels import fake_ops  # noqa: F401  (fake kernels for torch.compile)
+from vllm_chunkattn.kernels import support
 from vllm_chunkattn.kernels import torch_fallback
 from vllm_chunkattn.prefix.tree import PrefixTreeContext
-
-fake_ops.register()  # schemas an older CPU build lacks, and fake kernels for torch.compile
 
 try:  # after _C: the CUDA library only adds kernels to the schemas defined there
     import vllm_chunkattn._C_cuda  # noqa: F401
@@ -27,8 +26,6 @@ try:  # after _C: the CUDA library only adds kernels to the schemas defined ther
     CUDA_KERNELS_ERROR: str | None = None
 except ImportError as e:  # CPU-only build, or a build for another torch
     CUDA_KERNELS_ERROR = f"{type(e).__name__}: {e}"
-
-CUDA_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def cuda_kernels_available() -> bool:
@@ -77,7 +74,7 @@ def tpp_decode(
     callers' CPU arrays are copied over)."""
     device = query.device
     kernel = _compiled("tpp_decode", device)
-    if kernel is None or (device.type == "cuda" and query.dtype not in CUDA_ATTENTION_DTYPES):
+    if kernel is None or (device.type == "cuda" and query.dtype not in support.CUDA.dtypes):
         return torch_fallback.tpp_decode(query, kv_cache, block_table, seq_lens, ctx, scale, out)
     arrays = [
         ctx.order, ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end,
@@ -103,7 +100,7 @@ def paged_prefill(
     query/out [T, num_heads, head_size]; query_start_loc [R + 1] (starting at 0)."""
     device = query.device
     kernel = _compiled("paged_prefill", device)
-    if kernel is None or (device.type == "cuda" and query.dtype not in CUDA_ATTENTION_DTYPES):
+    if kernel is None or (device.type == "cuda" and query.dtype not in support.CUDA.dtypes):
         return torch_fallback.paged_prefill(
             query, kv_cache, query_start_loc.tolist(), seq_lens.tolist(), block_table, scale, out
         )
@@ -112,3 +109,31 @@ def paged_prefill(
         block_table = _on(block_table, device)
     kernel(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale)
     return out
+
+
+def merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+    prefill_tokens_with_context: int | None = None,
+) -> None:
+    """Merge two attention results of the same queries over disjoint keys, as
+    vLLM's `merge_attn_states` (vllm/v1/attention/ops/merge_attn_states.py),
+    argument for argument less its FP8 `output_scale`.
+
+    output, prefix_output, suffix_output [T, H, D] of one dtype (head_size
+    elements contiguous); prefix_lse, suffix_lse and the optional output_lse
+    [H, T] float32, natural log. A part with lse = -inf (or +inf, as
+    FlashAttention-2 marks a row that saw no key) contributes nothing; a token
+    with both parts empty gets output 0 and lse -inf. Tokens from
+    prefill_tokens_with_context on take the suffix as is."""
+    device = output.device
+    kernel = _compiled("merge_attn_states", device)
+    if (kernel is None or (device.type == "cuda" and output.dtype not in support.CUDA.dtypes)
+            or any(t.stride(-1) != 1 for t in (output, prefix_output, suffix_output))):
+        return torch_fallback.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                                                output_lse, prefill_tokens_with_context)
+    kernel(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, prefill_tokens_with_context)

@@ -1,4 +1,4 @@
-"""Two-phase-partition decode and paged prefill in plain PyTorch.
+"""Two-phase-partition decode, paged prefill and merge_attn_states in plain PyTorch.
 
 The portable implementation of the backend's kernels: it runs wherever torch
 runs and states the algorithm in a few tensor operations. The compiled
@@ -7,8 +7,9 @@ kernels (csrc/) compute the same thing and are tested against
 
 Partial results follow the paper's equation (1): for a set of keys, the
 unnormalised output o = sum_j exp(s_j - m) v_j, the running max m and the sum
-n = sum_j exp(s_j - m), all float32. Merging (equation 2) rescales each part
-by exp(m_part - m_total).
+n = sum_j exp(s_j - m), all float32; a part that saw no key has m = -inf,
+n = 0, o = 0. Merging (equation 2) rescales each part by exp(m_part - m_total)
+(csrc/common/partial_state.h is the same merge in C++ and CUDA).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import torch
 
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix.tree import PrefixTreeContext
+
+
+def _exp_base(m: torch.Tensor) -> torch.Tensor:
+    """What exponentials are taken against for running max m: m, or 0 where no
+    key was seen (m = -inf), so that exp(-inf - 0) = 0 and not NaN."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
 def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
@@ -28,19 +35,23 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     m = scores.amax(dim=-1)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(scores - m_safe.unsqueeze(-1))
+    e = torch.exp(scores - _exp_base(m).unsqueeze(-1))
     return e @ v, m, e.sum(dim=-1)
 
 
-def _merge(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, dim: int) -> torch.Tensor:
-    """Merge partials stacked along `dim` (of m and n; o has one more trailing dim) and normalise."""
+def _merge(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, dim: int):
+    """Merge partial states stacked along `dim` (of m and n; o has one more
+    trailing dim) -> (o, m, n) of the merged state, o unnormalised."""
     m_total = m.amax(dim=dim, keepdim=True)
-    weight = torch.exp(m - m_total)
-    weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
+    weight = torch.exp(m - _exp_base(m_total))  # 0 for a part that saw no key
     n_total = (weight * n).sum(dim=dim)
     o_total = (weight.unsqueeze(-1) * o).sum(dim=dim)
-    return o_total / n_total.unsqueeze(-1)
+    return o_total, m_total.squeeze(dim), n_total
+
+
+def _normalise(o: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """o / n, with 0 for a row that saw no key (n = 0)."""
+    return o / torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(-1)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -119,7 +130,8 @@ def tpp_decode(
     all_o = torch.cat([part_o[rows], o[:, None]], dim=1)
     all_m = torch.cat([part_m[rows].masked_fill(~has[..., None, None], float("-inf")), m[:, None]], dim=1)
     all_n = torch.cat([part_n[rows], n[:, None]], dim=1)
-    result = _merge(all_o, all_m, all_n, dim=1).view(batch, num_heads, head_size)
+    merged_o, _, merged_n = _merge(all_o, all_m, all_n, dim=1)
+    result = _normalise(merged_o, merged_n).view(batch, num_heads, head_size)
     if out is None:
         return result.to(query.dtype)
     out.copy_(result)
@@ -162,3 +174,34 @@ def paged_prefill(
         o = (o / n.unsqueeze(-1)).view(num_kv_heads, group, num_new, head_size)
         out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_size).to(out.dtype)
     return out
+
+
+def merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+    prefill_tokens_with_context: int | None = None,
+) -> None:
+    """vLLM's merge_attn_states contract (csrc/cpu/merge_attn_states.cpp states it):
+    outputs [T, H, D], log-sum-exps [H, T] float32; a normalised result with
+    log-sum-exp lse is the partial state (m = lse, n = 1, o = out)."""
+    num_tokens = output.shape[0]
+    merging = num_tokens if prefill_tokens_with_context is None else min(prefill_tokens_with_context, num_tokens)
+
+    def state_max(lse: torch.Tensor) -> torch.Tensor:  # [T, H]; +inf (FlashAttention-2's empty row) is empty too
+        lse = lse[:, :merging].float().transpose(0, 1)
+        return torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse)
+
+    o = torch.stack([prefix_output[:merging].float(), suffix_output[:merging].float()], dim=2)  # [T, H, 2, D]
+    m = torch.stack([state_max(prefix_lse), state_max(suffix_lse)], dim=2)
+    merged_o, merged_m, merged_n = _merge(o, m, torch.ones_like(m), dim=2)
+    output[:merging] = _normalise(merged_o, merged_n).to(output.dtype)
+    output[merging:] = suffix_output[merging:]
+    if output_lse is not None:
+        lse = torch.where(merged_n > 0, merged_m + torch.log(merged_n), torch.full_like(merged_m, float("-inf")))
+        output_lse[:, :merging] = lse.transpose(0, 1)
+        rest = suffix_lse[:, merging:].float()
+        output_lse[:, merging:] = torch.where(torch.isinf(rest), torch.full_like(rest, float("-inf")), rest)

@@ -9,6 +9,8 @@ KV cache layout: vllm_chunkattn/kernels/layout.py.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm_chunkattn.kernels.layout import split_kv
@@ -76,3 +78,43 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def merge_attn_states(
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    prefill_tokens_with_context: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's merge_attn_states in float64, one (token, head) at a time:
+    outputs [T, H, D], log-sum-exps [H, T] -> (output [T, H, D], lse [H, T]).
+
+    Each part is a normalised attention output with the log-sum-exp of its
+    scores; the merge is their mean weighted by exp(lse). A part with lse -inf
+    or +inf (FlashAttention-2's mark of a row that saw no key) is left out; with
+    none left the output is 0 and the lse -inf. Tokens from
+    prefill_tokens_with_context on take the suffix output as is (and its lse,
+    +inf read as -inf)."""
+    num_tokens, num_heads = prefix_output.shape[:2]
+    context = num_tokens if prefill_tokens_with_context is None else prefill_tokens_with_context
+    output = torch.zeros(prefix_output.shape, dtype=torch.float64)
+    lse = torch.full((num_heads, num_tokens), -math.inf, dtype=torch.float64)
+    for t in range(num_tokens):
+        for h in range(num_heads):
+            if t >= context:
+                output[t, h] = suffix_output[t, h].double()
+                lse[h, t] = -math.inf if math.isinf(float(suffix_lse[h, t])) else float(suffix_lse[h, t])
+                continue
+            parts = [
+                (float(part_lse[h, t]), part[t, h].double())
+                for part_lse, part in ((prefix_lse, prefix_output), (suffix_lse, suffix_output))
+                if not math.isinf(float(part_lse[h, t]))
+            ]
+            if not parts:
+                continue
+            m = max(part_lse for part_lse, _ in parts)
+            weights = [math.exp(part_lse - m) for part_lse, _ in parts]
+            output[t, h] = sum(w * part for w, (_, part) in zip(weights, parts)) / sum(weights)
+            lse[h, t] = m + math.log(sum(weights))
+    return output, lse

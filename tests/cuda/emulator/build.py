@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from vllm_chunkattn.install.cuda_toolkit import cuda_include_dir  # noqa: E402
-SOURCES = ["kv_cache.cu", "tpp_decode.cu", "prefill.cu"]
+SOURCES = ["kv_cache.cu", "tpp_decode.cu", "prefill.cu", "merge_attn_states.cu"]
 
 
 def missing_reason() -> str | None:
@@ -43,7 +43,8 @@ def missing_reason() -> str | None:
 def build(out_dir: Path | None = None) -> Path:
     include = cuda_include_dir()
     files = [ROOT / "csrc" / "cuda" / s for s in SOURCES] + sorted((ROOT / "csrc" / "cuda").glob("*.cuh"))
-    files += [ROOT / "csrc" / "cuda" / "launch.h", HERE / "simt_emulator.h", HERE / "emulated_ops.cpp"]
+    files += [ROOT / "csrc" / "cuda" / "launch.h", ROOT / "csrc" / "cuda" / "dispatch.h",
+              ROOT / "csrc" / "common" / "partial_state.h", HERE / "simt_emulator.h", HERE / "emulated_ops.cpp"]
     sanitize = os.environ.get("CHUNKATTN_EMU_SANITIZE", "") not in ("", "0")  # AddressSanitizer build
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + bytes([sanitize])).hexdigest()[:16]
     out_dir = out_dir or Path(os.environ.get("CHUNKATTN_EMU_BUILD", ROOT / "build" / "emulator"))
@@ -74,7 +75,8 @@ def load() -> ctypes.CDLL:
     lib.emu_write_kv_cache.argtypes = [P, P, P, P, I, I, I, I, I, I, S]
     lib.emu_tpp_decode.argtypes = [I, P, P, P] + [P] * 11 + [I] * 7 + [F, S, I, I]
     lib.emu_paged_prefill.argtypes = [I, P, P, P, P, P, P] + [I] * 6 + [F, S, I, I]
-    for name in ("emu_write_kv_cache", "emu_tpp_decode", "emu_paged_prefill"):
+    lib.emu_merge_attn_states.argtypes = [I, P, P, P, P, P, P, I, I, I, I, S]
+    for name in ("emu_write_kv_cache", "emu_tpp_decode", "emu_paged_prefill", "emu_merge_attn_states"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.emu_set_cp_async_early.argtypes = [I]
     lib.emu_set_cp_async_early.restype = None

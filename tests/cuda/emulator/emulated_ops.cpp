@@ -169,14 +169,53 @@ extern "C" void emu_set_schedule(int policy) { emu::g_schedule = policy; }
 // Dynamic shared memory of the attention kernels (SmemLayout<D>::kBytes), so
 // tests can hold scripts/check_cuda_compile.py's table to the compiled value.
 extern "C" int emu_attention_smem_bytes(int head_size) {
+#define CHUNKATTN_CASE_HEAD_SIZE(D) \
+  case D:                           \
+    return chunkattn::cuda::SmemLayout<D>::kBytes;
   switch (head_size) {
-    case 64:
-      return chunkattn::cuda::SmemLayout<64>::kBytes;
-    case 128:
-      return chunkattn::cuda::SmemLayout<128>::kBytes;
-    case 256:
-      return chunkattn::cuda::SmemLayout<256>::kBytes;
+    CHUNKATTN_CUDA_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_HEAD_SIZE)
     default:
       return -1;
   }
+#undef CHUNKATTN_CASE_HEAD_SIZE
+}
+
+// strides: output token, head; prefix token, head; suffix token, head;
+// prefix_lse head, token; suffix_lse head, token; output_lse head, token.
+extern "C" const char* emu_merge_attn_states(int bf16, void* output, const void* prefix_output,
+                                             const float* prefix_lse, const void* suffix_output,
+                                             const float* suffix_lse, float* output_lse, int num_tokens,
+                                             int num_heads, int head_size, int tokens_with_context,
+                                             const int64_t* strides) {
+  configure(4, 2);
+  try {
+    chunkattn::cuda::MergeArgs a{};
+    a.dtype = bf16 ? chunkattn::cuda::DType::kBFloat16 : chunkattn::cuda::DType::kHalf;
+    a.output = output;
+    a.prefix_output = prefix_output;
+    a.suffix_output = suffix_output;
+    a.prefix_lse = prefix_lse;
+    a.suffix_lse = suffix_lse;
+    a.output_lse = output_lse;
+    a.num_tokens = num_tokens;
+    a.num_heads = num_heads;
+    a.head_size = head_size;
+    a.tokens_with_context = tokens_with_context;
+    a.output_stride_token = strides[0];
+    a.output_stride_head = strides[1];
+    a.prefix_stride_token = strides[2];
+    a.prefix_stride_head = strides[3];
+    a.suffix_stride_token = strides[4];
+    a.suffix_stride_head = strides[5];
+    a.prefix_lse_stride_head = strides[6];
+    a.prefix_lse_stride_token = strides[7];
+    a.suffix_lse_stride_head = strides[8];
+    a.suffix_lse_stride_token = strides[9];
+    a.output_lse_stride_head = strides[10];
+    a.output_lse_stride_token = strides[11];
+    chunkattn::cuda::launch_merge_attn_states(a, nullptr);
+  } catch (const std::exception& e) {
+    return result(&e);
+  }
+  return result(nullptr);
 }
