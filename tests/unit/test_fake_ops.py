@@ -25,8 +25,9 @@ def test_fakes_run_under_fake_tensors():
         kv = torch.empty(10, 2, 16, 128, dtype=torch.float16)
         i = torch.empty(4, dtype=torch.int32)
         table = torch.empty(4, 3, dtype=torch.int32)
+        rows = torch.empty(1, 4, dtype=torch.int32)
         torch.ops.chunkattn.tpp_decode(out, q, kv, table, i, i, i, i, i, i, i, i, torch.empty(5, dtype=torch.int32),
-                                       i, 4, 0.1)
+                                       i, torch.empty(12, dtype=torch.int32), rows, rows, rows, i, 0.1)
         torch.ops.chunkattn.paged_prefill(out, q, kv, torch.empty(2, dtype=torch.int32), i[:1], table[:1], 0.1)
         torch.ops.chunkattn.write_kv_cache(q[:, :2], q[:, :2], kv, i)
 

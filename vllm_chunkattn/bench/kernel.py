@@ -11,9 +11,10 @@ tensors, for:
     Naive       matmul-softmax-matmul on dense [b, h, n, d] tensors
     SDPA        torch.nn.functional.scaled_dot_product_attention, same dense tensors
 
-plus the prefix-tree context cost of ours, measured apart from the kernel:
+plus the per-step costs of ours, measured apart from the layer's kernel:
 `rebuild` (tree.prefix_tree from the block tables, paid when the tree
-changes) and `lookup` (PrefixTreeCache.get when it did not, paid every step).
+changes), `lookup` (PrefixTreeCache.get when it did not) and `plan`
+(ops.plan_tpp_decode), both paid once per step for all layers.
 
 Every point also gets a roofline bound, max(bytes / bandwidth, flops / matmul
 throughput), with both rates measured on this machine at the start of the
@@ -73,6 +74,7 @@ import torch.nn.functional as F
 
 from vllm_chunkattn.kernels import ops
 from vllm_chunkattn.prefix import tree
+from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 
 IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
@@ -284,10 +286,12 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: b
     ctx = ctx_cache.get(shared_table, seq_lens, w.chunk)
     results["tree rebuild"] = measure(lambda: tree.prefix_tree(shared_table, seq_lens, w.chunk), repeats, 1, False)
     results["tree lookup"] = measure(lambda: ctx_cache.get(shared_table, seq_lens, w.chunk), repeats, 1, False)
+    shape = DecodeShape.of_layer(query, cache)
+    results["decode plan"] = measure(lambda: ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx), repeats, 1, False)
     if "ours" in impls:
         out = torch.empty_like(query)
-        results["ours"] = measure(lambda: ops.tpp_decode(query, cache, shared_table, seq_lens, ctx, scale, out),
-                                  repeats, warmup, flush)
+        plan = ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx)
+        results["ours"] = measure(lambda: ops.tpp_decode(query, cache, plan, scale, out), repeats, warmup, flush)
         outputs["ours"] = out
 
     def run_vllm(table: torch.Tensor, num_blocks: int, name: str) -> None:
@@ -424,7 +428,8 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
     """One table of a grid and dtype; rows are dicts made by main()."""
     head = ["n_p", "n_s", "n_c", "batch", "tokens:requests sharing them"] + [f"{i} ms" for i in impls] + ["roofline ms"]
     ratios = [f"{i}/ours" for i in impls if i != "ours"]
-    head += ratios + ["ours/roofline", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)", "max|Δ| vs ours"]
+    head += ratios + ["ours/roofline", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)", "plan ms (% step)",
+                      "max|Δ| vs ours"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ours = r["median"].get("ours")
@@ -437,7 +442,7 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
             cells.append(f"{r['median'][i] / ours:.2f}x" if ours and i in r["median"] else "-")
         cells.append(f"{ours / r['roofline']:.2f}" if ours else "-")
         cells.append(f"{r['w'].batch / (ours / 1e3):.0f}" if ours else "-")
-        for key in ("tree rebuild", "tree lookup"):
+        for key in ("tree rebuild", "tree lookup", "decode plan"):
             t = r["median"][key]
             cells.append(f"{t:.3f} ({100 * t / ours:.1f}%)" if ours else f"{t:.3f}")
         cells.append(", ".join(f"{k} {v:.1e}" for k, v in r["diffs"].items()) or "-")
