@@ -12,6 +12,7 @@
 
 TORCH_LIBRARY_IMPL(chunkattn, CUDA, m) {
   m.impl("write_kv_cache", &chunkattn::cuda_ops::write_kv_cache);
+  m.impl("tpp_decode_plan", &chunkattn::cuda_ops::tpp_decode_plan);
   m.impl("tpp_decode", &chunkattn::cuda_ops::tpp_decode);
   m.impl("paged_prefill", &chunkattn::cuda_ops::paged_prefill);
 }

@@ -43,7 +43,8 @@ def missing_reason() -> str | None:
 def build(out_dir: Path | None = None) -> Path:
     include = cuda_include_dir()
     files = [ROOT / "csrc" / "cuda" / s for s in SOURCES] + sorted((ROOT / "csrc" / "cuda").glob("*.cuh"))
-    files += [ROOT / "csrc" / "cuda" / "launch.h", HERE / "simt_emulator.h", HERE / "emulated_ops.cpp"]
+    files += [ROOT / "csrc" / "cuda" / "launch.h", ROOT / "csrc" / "decode_plan.h", HERE / "simt_emulator.h",
+              HERE / "emulated_ops.cpp"]
     sanitize = os.environ.get("CHUNKATTN_EMU_SANITIZE", "") not in ("", "0")  # AddressSanitizer build
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + bytes([sanitize])).hexdigest()[:16]
     out_dir = out_dir or Path(os.environ.get("CHUNKATTN_EMU_BUILD", ROOT / "build" / "emulator"))
@@ -72,7 +73,7 @@ def load() -> ctypes.CDLL:
     P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     S = ctypes.POINTER(ctypes.c_int64)
     lib.emu_write_kv_cache.argtypes = [P, P, P, P, I, I, I, I, I, I, S]
-    lib.emu_tpp_decode.argtypes = [I, P, P, P] + [P] * 11 + [I] * 7 + [F, S, I, I]
+    lib.emu_tpp_decode.argtypes = [I, P, P, P] + [P] * 11 + [I] * 7 + [F, S, I, I, I]
     lib.emu_paged_prefill.argtypes = [I, P, P, P, P, P, P] + [I] * 6 + [F, S, I, I]
     for name in ("emu_write_kv_cache", "emu_tpp_decode", "emu_paged_prefill"):
         getattr(lib, name).restype = ctypes.c_char_p
