@@ -463,9 +463,10 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                     t->size(1) == kPlanRowInts,
                 "chunkattn: plan items/node_work/partial_work must be contiguous int32 [n, ", kPlanRowInts, "]");
   cpu::check_int32_vector(plan_row_order, "plan row_order");
-  TORCH_CHECK(plan_items.size(0) == h.num_items + 1 && plan_node_work.size(0) == h.num_nodes &&
-                  plan_partial_work.size(0) == h.num_partial_rows && plan_row_order.numel() == batch,
-              "chunkattn: plan tensors do not match the plan header");
+  TORCH_CHECK(plan_items.size(0) == static_cast<int64_t>(h.num_items) + 1 && plan_node_work.size(0) == h.num_nodes &&
+                  plan_partial_work.size(0) == h.num_partial_rows && plan_row_order.numel() == batch &&
+                  h.num_slots >= 0 && h.heads_per_item >= 1 && h.heads_per_item <= h.num_kv_heads,
+              "chunkattn: plan tensors do not match the plan header (not a CPU plan from tpp_decode_plan?)");
   if (batch == 0) return;
   const TreeContextView ctx = context_view(order, node_begin, node_end, node_chunk_begin, node_chunk_end,
                                            node_partial_offset, shared_chunks, row_partial_offsets, row_partials);

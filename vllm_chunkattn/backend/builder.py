@@ -67,9 +67,10 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         (vLLM's persistent inputs; DeviceTreeBuffers and the plan's DecodeWork
         here, refreshed in place by build(), whose TPP plan kernel runs on the
         stream before the replay), and the Python forward takes no
-        data-dependent branch within a pure-decode batch. Batches with prefills are not captured: the
-        forward's decode/prefill split is fixed at capture. NEVER otherwise:
-        the PyTorch fallback reads the tree on the host."""
+        data-dependent branch within a pure-decode batch. Batches with
+        prefills are not captured: the forward's decode/prefill split is fixed
+        at capture. NEVER otherwise: the PyTorch fallback reads the tree on
+        the host."""
         dtype = getattr(kv_cache_spec, "dtype", None)
         if current_platform.is_cuda() and ops.cuda_kernels_available() and dtype in CUDA.dtypes:
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

@@ -10,6 +10,7 @@ against `reference.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -62,11 +63,15 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     kernel(key, value, kv_cache, slot_mapping)
 
 
+# The tree context's arrays, in the order of the ops' schemas (csrc/cpu/registration.cpp).
+_CONTEXT_ARRAYS = (
+    "order", "node_begin", "node_end", "node_chunk_begin", "node_chunk_end", "node_partial_offset",
+    "shared_chunks", "row_partial_offsets", "row_partials",
+)
+
+
 def _context_arrays(ctx: PrefixTreeContext) -> list[torch.Tensor]:
-    return [
-        ctx.order, ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end,
-        ctx.node_partial_offset, ctx.shared_chunks, ctx.row_partial_offsets, ctx.row_partials,
-    ]
+    return [getattr(ctx, name) for name in _CONTEXT_ARRAYS]
 
 
 def plan_tpp_decode(
@@ -85,7 +90,7 @@ def plan_tpp_decode(
     device = block_table.device
     kernel = _compiled("tpp_decode_plan", device)
     if device.type == "cuda":
-        ctx = PrefixTreeContext(*[_on(a, device) for a in _context_arrays(ctx)], num_partial_rows=ctx.num_partial_rows)
+        ctx = dataclasses.replace(ctx, **{name: _on(getattr(ctx, name), device) for name in _CONTEXT_ARRAYS})
         seq_lens = _on(seq_lens, device)
     if kernel is None or (device.type == "cuda" and shape.dtype not in CUDA_ATTENTION_DTYPES):
         return DecodePlan(shape=shape, block_table=block_table, seq_lens=seq_lens, context=ctx, work=None)
