@@ -48,7 +48,8 @@ struct DecodePlanHeader {
   int32_t num_items;       // chunk-first items (CUDA: the list's capacity)
   int32_t num_slots;       // partial slots per KV head (CUDA: capacity)
   int32_t heads_per_item;  // CPU: KV heads per sequence-first item; CUDA 0
-  int32_t num_threads;     // CPU: intra-op threads the plan balances its items over; CUDA 0
+  int32_t num_threads;     // CPU: intra-op threads the plan balances its items over (a run on
+                           // another count stays exact, only less balanced); CUDA 0
 };
 constexpr int kDecodePlanHeaderInts = sizeof(DecodePlanHeader) / sizeof(int32_t);
 static_assert(sizeof(DecodePlanHeader) == kDecodePlanHeaderInts * sizeof(int32_t));
