@@ -17,13 +17,24 @@ namespace chunkattn {
 void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value,
                     torch::Tensor& kv_cache, const torch::Tensor& slot_mapping);
 
-// Two-phase-partition decode (csrc/cpu/tpp_decode.cpp).
+// Two-phase-partition decode (csrc/cpu/tpp_decode.cpp): the plan of one step
+// (csrc/common/decode_plan.h), built once, then run by every layer.
+void tpp_decode_plan(torch::Tensor& header, torch::Tensor& items, torch::Tensor& node_work,
+                     torch::Tensor& partial_work, torch::Tensor& row_order, const torch::Tensor& block_table,
+                     const torch::Tensor& seq_lens, const torch::Tensor& order, const torch::Tensor& node_begin,
+                     const torch::Tensor& node_end, const torch::Tensor& node_chunk_begin,
+                     const torch::Tensor& node_chunk_end, const torch::Tensor& node_partial_offset,
+                     const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
+                     const torch::Tensor& row_partials, int64_t num_partial_rows, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_size, int64_t block_size, at::ScalarType dtype);
 void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& order,
                 const torch::Tensor& node_begin, const torch::Tensor& node_end, const torch::Tensor& node_chunk_begin,
                 const torch::Tensor& node_chunk_end, const torch::Tensor& node_partial_offset,
                 const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
-                const torch::Tensor& row_partials, int64_t num_partial_rows, double scale);
+                const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
+                const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
+                const torch::Tensor& plan_row_order, double scale);
 
 // Causal attention of new tokens over the paged cache (csrc/cpu/prefill.cpp).
 void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,

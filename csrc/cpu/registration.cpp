@@ -15,11 +15,21 @@ std::string cpu_isa() { return chunkattn::cpu::active_isa(); }
 
 TORCH_LIBRARY(chunkattn, m) {
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  // The decode step's work plan (csrc/common/decode_plan.h), built once per step into
+  // the five plan tensors (resized here on the CPU; on CUDA, fixed buffers).
+  m.def(
+      "tpp_decode_plan(Tensor(a!) plan_header, Tensor(b!) plan_items, Tensor(c!) plan_node_work, "
+      "Tensor(d!) plan_partial_work, Tensor(e!) plan_row_order, Tensor block_table, Tensor seq_lens, "
+      "Tensor order, Tensor node_begin, Tensor node_end, Tensor node_chunk_begin, Tensor node_chunk_end, "
+      "Tensor node_partial_offset, Tensor shared_chunks, Tensor row_partial_offsets, Tensor row_partials, "
+      "int num_partial_rows, int num_heads, int num_kv_heads, int head_size, int block_size, "
+      "ScalarType dtype) -> ()");
   m.def(
       "tpp_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor order, Tensor node_begin, Tensor node_end, Tensor node_chunk_begin, Tensor node_chunk_end, "
       "Tensor node_partial_offset, Tensor shared_chunks, Tensor row_partial_offsets, Tensor row_partials, "
-      "int num_partial_rows, float scale) -> ()");
+      "Tensor plan_header, Tensor plan_items, Tensor plan_node_work, Tensor plan_partial_work, "
+      "Tensor plan_row_order, float scale) -> ()");
   m.def(
       "paged_prefill(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_table, float scale) -> ()");
@@ -34,6 +44,7 @@ TORCH_LIBRARY(chunkattn, m) {
 
 TORCH_LIBRARY_IMPL(chunkattn, CPU, m) {
   m.impl("write_kv_cache", &chunkattn::write_kv_cache);
+  m.impl("tpp_decode_plan", &chunkattn::tpp_decode_plan);
   m.impl("tpp_decode", &chunkattn::tpp_decode);
   m.impl("paged_prefill", &chunkattn::paged_prefill);
   m.impl("merge_attn_states", &chunkattn::merge_attn_states);

@@ -5,7 +5,7 @@
 //   kv_cache     [num_blocks, num_kv_heads, block_size, 2*D]: per (block, kv head)
 //                the K tile [block_size, D] and then the V tile (chunkattn.h).
 //   block_table  [B, max_blocks] int32, seq_lens [B] int32 (tokens incl. the new one).
-//   Prefix-tree context (vllm_chunkattn/tree.py, all int32): order [B] (tree
+//   Prefix-tree context (vllm_chunkattn/prefix/tree.py, all int32): order [B] (tree
 //   position -> batch row), per node [N]: node_begin/end (tree positions covered),
 //   node_chunk_begin/end (block-table columns shared), node_partial_offset;
 //   per batch row: shared_chunks [B], row_partial_offsets [B+1] / row_partials (CSR
@@ -33,9 +33,15 @@
 //
 // Partial results live in a per-calling-thread scratch:
 //   o [num_kv_heads, slots, G, D], m, n [num_kv_heads, slots, G], where node k's
-//   split s owns slots slot_base[k] + s*rows_k + (tree position - node_begin).
+//   split s owns slots first_slot[k] + s*rows_k + (tree position - node_begin).
+//
+// Plan and run (csrc/common/decode_plan.h): tpp_decode_plan validates the context and
+// builds the work items, splits, slots and row order once per step (the
+// metadata builder calls it); tpp_decode, once per layer, runs that plan.
 #include <ATen/Dispatch.h>
 
+#include <array>
+#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -43,6 +49,7 @@
 #include "common/partial_state.h"
 #include "cpu/driver_utils.h"
 #include "cpu/kernels.h"
+#include "common/decode_plan.h"
 
 namespace chunkattn {
 
@@ -58,121 +65,201 @@ constexpr double kKeyReadCost = 16.0;
 // Phase-1 items per thread to aim for when splitting nodes.
 constexpr int kItemsPerThread = 4;
 
-struct Plan {
-  int64_t slots = 0;
-  std::vector<int32_t> splits, chunks_per_split, rows;
-  std::vector<int64_t> slot_base;
-  std::vector<int32_t> partial_node;  // partial row -> node
+// The tree context's arrays (PrefixTreeContext), as raw pointers.
+struct TreeContextView {
+  const int32_t* order;
+  const int32_t* node_begin;
+  const int32_t* node_end;
+  const int32_t* node_chunk_begin;
+  const int32_t* node_chunk_end;
+  const int32_t* node_partial_offset;
+  const int32_t* shared_chunks;
+  const int32_t* row_partial_offsets;
+  const int32_t* row_partials;
+  int64_t num_row_partials;
+};
+
+TreeContextView context_view(const torch::Tensor& order, const torch::Tensor& node_begin, const torch::Tensor& node_end,
+                             const torch::Tensor& node_chunk_begin, const torch::Tensor& node_chunk_end,
+                             const torch::Tensor& node_partial_offset, const torch::Tensor& shared_chunks,
+                             const torch::Tensor& row_partial_offsets, const torch::Tensor& row_partials) {
+  return {order.data_ptr<int32_t>(), node_begin.data_ptr<int32_t>(), node_end.data_ptr<int32_t>(),
+          node_chunk_begin.data_ptr<int32_t>(), node_chunk_end.data_ptr<int32_t>(),
+          node_partial_offset.data_ptr<int32_t>(), shared_chunks.data_ptr<int32_t>(),
+          row_partial_offsets.data_ptr<int32_t>(), row_partials.data_ptr<int32_t>(), row_partials.numel()};
+}
+
+void check_context_arrays(int64_t batch, const torch::Tensor& seq_lens, const torch::Tensor& order,
+                          const torch::Tensor& node_begin, const torch::Tensor& node_end,
+                          const torch::Tensor& node_chunk_begin, const torch::Tensor& node_chunk_end,
+                          const torch::Tensor& node_partial_offset, const torch::Tensor& shared_chunks,
+                          const torch::Tensor& row_partial_offsets, const torch::Tensor& row_partials) {
+  cpu::check_int32_vector(seq_lens, "seq_lens");
+  cpu::check_int32_vector(order, "order");
+  cpu::check_int32_vector(shared_chunks, "shared_chunks");
+  cpu::check_int32_vector(row_partial_offsets, "row_partial_offsets");
+  cpu::check_int32_vector(row_partials, "row_partials");
+  for (const auto* t : {&node_begin, &node_end, &node_chunk_begin, &node_chunk_end, &node_partial_offset}) {
+    cpu::check_int32_vector(*t, "node arrays");
+    TORCH_CHECK(t->numel() == node_begin.numel(), "chunkattn: node arrays must have the same length");
+  }
+  TORCH_CHECK(seq_lens.numel() >= batch && order.numel() == batch && shared_chunks.numel() == batch &&
+                  row_partial_offsets.numel() == batch + 1,
+              "chunkattn: per-row context arrays do not match the batch size ", batch);
+}
+
+// Every index the kernels follow unchecked: the tree against the batch, the
+// block table's width and the sequence lengths.
+void validate_context(const TreeContextView& c, int64_t batch, int64_t num_nodes, int64_t num_partial_rows,
+                      const int32_t* lens, int64_t table_width, int64_t block_size) {
+  for (int64_t k = 0; k < num_nodes; ++k) {
+    TORCH_CHECK(0 <= c.node_begin[k] && c.node_begin[k] < c.node_end[k] && c.node_end[k] <= batch, "chunkattn: node ",
+                k, " covers tree positions [", c.node_begin[k], ", ", c.node_end[k], ") of a batch of ", batch);
+    TORCH_CHECK(0 <= c.node_chunk_begin[k] && c.node_chunk_begin[k] < c.node_chunk_end[k] &&
+                    c.node_chunk_end[k] <= table_width,
+                "chunkattn: node ", k, " chunk range [", c.node_chunk_begin[k], ", ", c.node_chunk_end[k],
+                ") out of a block table of ", table_width, " columns");
+    const int64_t rows = c.node_end[k] - c.node_begin[k];
+    TORCH_CHECK(c.node_partial_offset[k] >= 0 && c.node_partial_offset[k] + rows <= num_partial_rows,
+                "chunkattn: node ", k, " partial rows out of range");
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(0 <= c.order[b] && c.order[b] < batch, "chunkattn: order out of range");
+    const int64_t len = lens[b], shared = static_cast<int64_t>(c.shared_chunks[b]) * block_size;
+    TORCH_CHECK(len >= 1 && c.shared_chunks[b] >= 0 && shared <= len &&
+                    (len + block_size - 1) / block_size <= table_width,
+                "chunkattn: row ", b, " has seq_len ", len, " with ", c.shared_chunks[b], " shared chunks of ",
+                block_size, " tokens and a block table of ", table_width, " columns");
+    TORCH_CHECK(c.row_partial_offsets[b] <= c.row_partial_offsets[b + 1],
+                "chunkattn: row_partial_offsets must be non-decreasing");
+  }
+  TORCH_CHECK(c.row_partial_offsets[0] == 0 && c.row_partial_offsets[batch] == c.num_row_partials,
+              "chunkattn: row_partial_offsets do not match row_partials");
+  for (int64_t i = 0; i < c.num_row_partials; ++i)
+    TORCH_CHECK(0 <= c.row_partials[i] && c.row_partials[i] < num_partial_rows, "chunkattn: row_partials out of range");
+}
+
+// Fills the plan tensors (csrc/common/decode_plan.h) for the CPU kernel.
+void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_work, torch::Tensor& partial_work,
+              torch::Tensor& row_order, const TreeContextView& c, const int32_t* lens) {
+  const int64_t num_nodes = h.num_nodes, group = h.num_heads / h.num_kv_heads, block_size = h.block_size;
+  node_work.resize_({num_nodes, kPlanRowInts});
+  partial_work.resize_({h.num_partial_rows, kPlanRowInts});
+  int32_t* nw = node_work.data_ptr<int32_t>();
+  int32_t* pw = partial_work.data_ptr<int32_t>();
+  for (int64_t i = 0; i < partial_work.numel(); ++i) pw[i] = i % kPlanRowInts == kPartialNode ? kNoNode : 0;
+
+  // Chunk-first: split the costliest nodes along their chunks so that every
+  // thread gets work even for one big shared prefix.
+  std::vector<double> cost(num_nodes);
+  double total = 0;
+  for (int64_t k = 0; k < num_nodes; ++k) {
+    const int64_t rows = c.node_end[k] - c.node_begin[k];
+    const int64_t chunks = c.node_chunk_end[k] - c.node_chunk_begin[k];
+    cost[k] = static_cast<double>(chunks) * block_size * (rows * group + kKeyReadCost);
+    total += cost[k] * h.num_kv_heads;
+  }
+  const double target = total / static_cast<double>(h.num_threads * kItemsPerThread);
   struct Item {
     int32_t node, head, split;
     double cost;
   };
-  std::vector<Item> items;
-};
-
-Plan plan_chunk_first(int64_t num_nodes, const int32_t* node_begin, const int32_t* node_end,
-                      const int32_t* node_chunk_begin, const int32_t* node_chunk_end, const int32_t* node_partial_offset,
-                      int64_t num_partial_rows, int64_t num_kv_heads, int64_t group, int64_t block_size) {
-  Plan plan;
-  plan.splits.resize(num_nodes);
-  plan.chunks_per_split.resize(num_nodes);
-  plan.rows.resize(num_nodes);
-  plan.slot_base.resize(num_nodes + 1, 0);
-  plan.partial_node.assign(num_partial_rows, -1);
-
-  std::vector<double> cost(num_nodes);
-  double total = 0;
+  std::vector<Item> work;
+  int64_t slots = 0;
   for (int64_t k = 0; k < num_nodes; ++k) {
-    const int32_t rows = node_end[k] - node_begin[k];
-    const int32_t chunks = node_chunk_end[k] - node_chunk_begin[k];
-    TORCH_CHECK(rows >= 1 && chunks >= 1, "chunkattn: node ", k, " covers no request or no chunk");
-    TORCH_CHECK(node_partial_offset[k] >= 0 && node_partial_offset[k] + rows <= num_partial_rows,
-                "chunkattn: node ", k, " partial rows out of range");
-    plan.rows[k] = rows;
-    cost[k] = static_cast<double>(chunks) * block_size * (rows * group + kKeyReadCost);
-    total += cost[k] * num_kv_heads;
-    for (int32_t t = 0; t < rows; ++t) plan.partial_node[node_partial_offset[k] + t] = static_cast<int32_t>(k);
-  }
-  const int64_t threads = at::get_num_threads();
-  const double target = total / static_cast<double>(threads * kItemsPerThread);
-  for (int64_t k = 0; k < num_nodes; ++k) {
-    const int32_t chunks = node_chunk_end[k] - node_chunk_begin[k];
-    int64_t s = threads > 1 ? static_cast<int64_t>(std::ceil(cost[k] / target)) : 1;
+    const int32_t rows = c.node_end[k] - c.node_begin[k];
+    const int32_t chunks = c.node_chunk_end[k] - c.node_chunk_begin[k];
+    int64_t s = h.num_threads > 1 ? static_cast<int64_t>(std::ceil(cost[k] / target)) : 1;
     s = std::clamp<int64_t>(s, 1, chunks);
     const int32_t per = static_cast<int32_t>((chunks + s - 1) / s);
-    plan.chunks_per_split[k] = per;
-    plan.splits[k] = (chunks + per - 1) / per;
-    plan.slot_base[k + 1] = plan.slot_base[k] + static_cast<int64_t>(plan.rows[k]) * plan.splits[k];
+    const int32_t splits = (chunks + per - 1) / per;
+    TORCH_CHECK(slots + static_cast<int64_t>(rows) * splits <= std::numeric_limits<int32_t>::max(),
+                "chunkattn: decode plan needs more partial slots than int32 indexes");
+    int32_t* node = nw + k * kPlanRowInts;
+    node[kNodeFirstSlot] = static_cast<int32_t>(slots);
+    node[kNodePieces] = splits;
+    node[kNodePieceSize] = per;
+    for (int32_t t = 0; t < rows; ++t) {
+      int32_t* partial = pw + static_cast<int64_t>(c.node_partial_offset[k] + t) * kPlanRowInts;
+      partial[kPartialFirstSlot] = static_cast<int32_t>(slots + t);
+      partial[kPartialSlotStride] = rows;
+      partial[kPartialPieces] = splits;
+      partial[kPartialNode] = static_cast<int32_t>(k);
+    }
+    slots += static_cast<int64_t>(rows) * splits;
+    for (int32_t head = 0; head < h.num_kv_heads; ++head)
+      for (int32_t split = 0; split < splits; ++split)
+        work.push_back({static_cast<int32_t>(k), head, split, cost[k] / splits});
   }
-  plan.slots = plan.slot_base[num_nodes];
+  std::stable_sort(work.begin(), work.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  for (int64_t i = 0; i < c.num_row_partials; ++i)
+    TORCH_CHECK(pw[static_cast<int64_t>(c.row_partials[i]) * kPlanRowInts + kPartialNode] != kNoNode,
+                "chunkattn: partial row ", c.row_partials[i], " belongs to no node");
 
-  for (int64_t k = 0; k < num_nodes; ++k)
-    for (int32_t h = 0; h < num_kv_heads; ++h)
-      for (int32_t s = 0; s < plan.splits[k]; ++s)
-        plan.items.push_back({static_cast<int32_t>(k), h, s, cost[k] / plan.splits[k]});
-  std::stable_sort(plan.items.begin(), plan.items.end(),
-                   [](const Plan::Item& a, const Plan::Item& b) { return a.cost > b.cost; });
-  return plan;
+  const int64_t num_items = static_cast<int64_t>(work.size());
+  items.resize_({num_items + 1, kPlanRowInts});
+  int32_t* it = items.data_ptr<int32_t>();
+  for (int64_t i = 0; i < num_items; ++i)
+    std::copy_n(std::array<int32_t, kPlanRowInts>{work[i].node, work[i].head, work[i].split, 0}.data(), kPlanRowInts,
+                it + i * kPlanRowInts);
+  std::fill_n(it + num_items * kPlanRowInts, kPlanRowInts, 0);
+  it[num_items * kPlanRowInts + kItemNode] = kNoNode;
+
+  // Sequence-first: rows with the most private tokens first; each row's KV
+  // heads in groups as large as the thread count allows.
+  const int64_t batch = h.batch;
+  row_order.resize_({batch});
+  int32_t* ro = row_order.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) ro[b] = static_cast<int32_t>(b);
+  std::stable_sort(ro, ro + batch, [&](int32_t a, int32_t b) {
+    return lens[a] - c.shared_chunks[a] * block_size > lens[b] - c.shared_chunks[b] * block_size;
+  });
+  const int64_t groups_per_row =
+      std::min<int64_t>(h.num_kv_heads, (kItemsPerThread * h.num_threads + batch - 1) / std::max<int64_t>(batch, 1));
+  h.heads_per_item = static_cast<int32_t>((h.num_kv_heads + groups_per_row - 1) / std::max<int64_t>(groups_per_row, 1));
+  h.num_items = static_cast<int32_t>(num_items);
+  h.num_slots = static_cast<int32_t>(slots);
 }
+
+// The plan's arrays, as the run reads them.
+struct DecodePlanView {
+  DecodePlanHeader header;
+  const int32_t* items;
+  const int32_t* node_work;
+  const int32_t* partial_work;
+  const int32_t* row_order;
+};
 
 template <typename qscalar_t>
 void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& order,
-                     const torch::Tensor& node_begin, const torch::Tensor& node_end,
-                     const torch::Tensor& node_chunk_begin, const torch::Tensor& node_chunk_end,
-                     const torch::Tensor& node_partial_offset, const torch::Tensor& shared_chunks,
-                     const torch::Tensor& row_partial_offsets, const torch::Tensor& row_partials,
-                     int64_t num_partial_rows, float scale) {
+                     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const TreeContextView& ctx,
+                     const DecodePlanView& plan, float scale) {
   const int64_t batch = query.size(0), num_heads = query.size(1), D = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t num_nodes = node_begin.numel();
+  const int64_t num_nodes = plan.header.num_nodes;
   const KernelTable& kern = cpu::select_kernels(kv_cache.scalar_type(), D);
   const KvView kv{kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), static_cast<int>(block_size)};
 
-  const int32_t* ord = order.data_ptr<int32_t>();
-  const int32_t* nb = node_begin.data_ptr<int32_t>();
-  const int32_t* ne = node_end.data_ptr<int32_t>();
-  const int32_t* ncb = node_chunk_begin.data_ptr<int32_t>();
-  const int32_t* nce = node_chunk_end.data_ptr<int32_t>();
-  const int32_t* npo = node_partial_offset.data_ptr<int32_t>();
-  const int32_t* shc = shared_chunks.data_ptr<int32_t>();
-  const int32_t* rpo = row_partial_offsets.data_ptr<int32_t>();
-  const int32_t* rp = row_partials.data_ptr<int32_t>();
+  const int32_t* ord = ctx.order;
+  const int32_t* nb = ctx.node_begin;
+  const int32_t* ncb = ctx.node_chunk_begin;
+  const int32_t* nce = ctx.node_chunk_end;
+  const int32_t* shc = ctx.shared_chunks;
+  const int32_t* rpo = ctx.row_partial_offsets;
+  const int32_t* rp = ctx.row_partials;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t table_stride = block_table.stride(0), table_width = block_table.size(1);
+  const int64_t table_stride = block_table.stride(0);
   const qscalar_t* q_data = query.data_ptr<qscalar_t>();
   qscalar_t* out_data = out.data_ptr<qscalar_t>();
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
-
-  // Validate the context up front: the kernels index with it unchecked.
-  for (int64_t k = 0; k < num_nodes; ++k) {
-    TORCH_CHECK(0 <= nb[k] && nb[k] < ne[k] && ne[k] <= batch, "chunkattn: node ", k, " covers tree positions [",
-                nb[k], ", ", ne[k], ") of a batch of ", batch);
-    TORCH_CHECK(0 <= ncb[k] && ncb[k] < nce[k] && nce[k] <= table_width, "chunkattn: node ", k,
-                " chunk range out of the block table");
-  }
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(0 <= ord[b] && ord[b] < batch, "chunkattn: order out of range");
-    const int64_t len = lens[b], shared = static_cast<int64_t>(shc[b]) * block_size;
-    TORCH_CHECK(len >= 1 && shared <= len && (len + block_size - 1) / block_size <= table_width,
-                "chunkattn: row ", b, " has seq_len ", len, " with ", shc[b], " shared chunks of ", block_size,
-                " tokens and a block table of ", table_width, " columns");
-    TORCH_CHECK(rpo[b] <= rpo[b + 1], "chunkattn: row_partial_offsets must be non-decreasing");
-  }
-  TORCH_CHECK(rpo[0] == 0 && rpo[batch] == row_partials.numel(), "chunkattn: row_partial_offsets do not match row_partials");
-  for (int64_t i = 0; i < row_partials.numel(); ++i)
-    TORCH_CHECK(0 <= rp[i] && rp[i] < num_partial_rows, "chunkattn: row_partials out of range");
-
-  const Plan plan = plan_chunk_first(num_nodes, nb, ne, ncb, nce, npo, num_partial_rows, num_kv_heads, group, block_size);
-  for (int64_t i = 0; i < row_partials.numel(); ++i)
-    TORCH_CHECK(plan.partial_node[rp[i]] >= 0, "chunkattn: partial row ", rp[i], " belongs to no node");
+  auto node_field = [&](int64_t k, PlanNodeField f) { return plan.node_work[k * kPlanRowInts + f]; };
 
   // Partials of phase 1, owned by the calling thread, reused across calls.
   cpu::DriverScratch& caller = cpu::driver_scratch();
-  const int64_t part_rows = plan.slots * group;  // per kv head
+  const int64_t part_rows = static_cast<int64_t>(plan.header.num_slots) * group;  // per kv head
   float* part_o = caller.get(4, static_cast<size_t>(num_kv_heads * part_rows * D));
   float* part_mn = caller.get(5, static_cast<size_t>(2 * num_kv_heads * part_rows));
   float* part_m = part_mn;
@@ -180,13 +267,15 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
 
   // Unfinished phase-1 items per node; phase-2 items wait on them before merging.
   std::unique_ptr<std::atomic<int32_t>[]> pending(new std::atomic<int32_t>[std::max<int64_t>(num_nodes, 1)]);
-  for (int64_t k = 0; k < num_nodes; ++k) pending[k].store(static_cast<int32_t>(num_kv_heads * plan.splits[k]));
+  for (int64_t k = 0; k < num_nodes; ++k)
+    pending[k].store(static_cast<int32_t>(num_kv_heads * node_field(k, kNodePieces)));
 
   // ---- Phase 1: chunk-first, one item per (node, kv head, split).
   auto chunk_first = [&](int64_t i) {
-    const Plan::Item& item = plan.items[i];
-    const int32_t k = item.node, h = item.head, s = item.split;
-    const int32_t rows = plan.rows[k];
+    const int32_t* item = plan.items + i * kPlanRowInts;
+    const int32_t k = item[kItemNode], h = item[kItemHeadOrTile], s = item[kItemPiece];
+    const int32_t rows = ctx.node_end[k] - nb[k];
+    const int32_t per_split = node_field(k, kNodePieceSize);
     const int64_t M = static_cast<int64_t>(rows) * group;
     float* q = cpu::driver_scratch().get(0, M * D);
     for (int32_t t = 0; t < rows; ++t) {
@@ -194,9 +283,9 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       for (int64_t g = 0; g < group; ++g)
         cpu::load_scaled(q_data + b * q_s0 + (h * group + g) * q_s1, D, scale, q + (t * group + g) * D);
     }
-    const int32_t c0 = ncb[k] + s * plan.chunks_per_split[k];
-    const int32_t c1 = std::min(nce[k], c0 + plan.chunks_per_split[k]);
-    const int64_t row0 = h * part_rows + (plan.slot_base[k] + static_cast<int64_t>(s) * rows) * group;
+    const int32_t c0 = ncb[k] + s * per_split;
+    const int32_t c1 = std::min(nce[k], c0 + per_split);
+    const int64_t row0 = h * part_rows + (node_field(k, kNodeFirstSlot) + static_cast<int64_t>(s) * rows) * group;
     AttnJob job{q, static_cast<int>(M), table + ord[nb[k]] * table_stride + c0,
                 static_cast<int>((c1 - c0) * block_size), h, nullptr,
                 part_o + row0 * D, part_m + row0, part_n + row0};
@@ -209,19 +298,11 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // rows with the most private tokens first. A group walks each private chunk's
   // heads back to back: they are adjacent tiles of the block, so reads stream
   // through whole blocks. Groups are as large as the thread count allows.
-  std::vector<int32_t> rows_by_cost(batch);
-  for (int64_t b = 0; b < batch; ++b) rows_by_cost[b] = static_cast<int32_t>(b);
-  std::stable_sort(rows_by_cost.begin(), rows_by_cost.end(), [&](int32_t a, int32_t b) {
-    return lens[a] - shc[a] * block_size > lens[b] - shc[b] * block_size;
-  });
-  const int64_t threads = at::get_num_threads();
-  const int64_t groups_per_row = std::min<int64_t>(
-      num_kv_heads, (kItemsPerThread * threads + batch - 1) / batch);
-  const int64_t heads_per_item = (num_kv_heads + groups_per_row - 1) / groups_per_row;
+  const int64_t heads_per_item = plan.header.heads_per_item;
   const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
   const bool seq_direct = group <= kern.direct_max_rows;
   auto sequence_first = [&](int64_t i) {
-    const int64_t b = rows_by_cost[i / items_per_row];
+    const int64_t b = plan.row_order[i / items_per_row];
     const int32_t h0 = static_cast<int32_t>((i % items_per_row) * heads_per_item);
     const int64_t nh = std::min<int64_t>(heads_per_item, num_kv_heads - h0);
     const int64_t rows = nh * group;  // q heads h0*group .. (h0+nh)*group, in order
@@ -248,7 +329,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     // The row's node partials: all phase-1 items were handed out before this
     // item, so at most the ones still running on other threads are waited for.
     for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-      const std::atomic<int32_t>& left = pending[plan.partial_node[rp[e]]];
+      const std::atomic<int32_t>& left = pending[plan.partial_work[rp[e] * kPlanRowInts + kPartialNode]];
       while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
     }
 
@@ -258,11 +339,10 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       PartialState total{m[r], n[r]};
       float* acc = o + r * D;
       for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-        const int32_t p = rp[e];
-        const int32_t k = plan.partial_node[p];
-        const int64_t t = p - npo[k];
-        for (int32_t s = 0; s < plan.splits[k]; ++s) {
-          const int64_t row = h * part_rows + (plan.slot_base[k] + static_cast<int64_t>(s) * plan.rows[k] + t) * group + g;
+        const int32_t* partial = plan.partial_work + static_cast<int64_t>(rp[e]) * kPlanRowInts;
+        for (int32_t s = 0; s < partial[kPartialPieces]; ++s) {
+          const int64_t row =
+              h * part_rows + (partial[kPartialFirstSlot] + static_cast<int64_t>(s) * partial[kPartialSlotStride]) * group + g;
           const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m[row], part_n[row]});
           const float* po = part_o + row * D;
           for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
@@ -276,7 +356,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // first), then phase-2 items, which compute their private part before
   // waiting for their partials. A second region would add a second fork/join,
   // whose cost is a scheduler delay whenever another process holds a core.
-  const int64_t num_chunk_items = static_cast<int64_t>(plan.items.size());
+  const int64_t num_chunk_items = plan.header.num_items;
   cpu::parallel_items(num_chunk_items + batch * items_per_row, [&](int64_t i) {
     if (i < num_chunk_items) chunk_first(i);
     else sequence_first(i - num_chunk_items);
@@ -285,43 +365,103 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
 
 }  // namespace
 
+void tpp_decode_plan(torch::Tensor& header, torch::Tensor& items, torch::Tensor& node_work,
+                     torch::Tensor& partial_work, torch::Tensor& row_order, const torch::Tensor& block_table,
+                     const torch::Tensor& seq_lens, const torch::Tensor& order, const torch::Tensor& node_begin,
+                     const torch::Tensor& node_end, const torch::Tensor& node_chunk_begin,
+                     const torch::Tensor& node_chunk_end, const torch::Tensor& node_partial_offset,
+                     const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
+                     const torch::Tensor& row_partials, int64_t num_partial_rows, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_size, int64_t block_size, at::ScalarType dtype) {
+  (void)dtype;  // the CPU plan is the same for every dtype
+  for (const auto* t : {&header, &items, &node_work, &partial_work, &row_order})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt, "chunkattn: plan tensors must be int32 on the CPU");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
+              "chunkattn: block_table must be int32 [batch, max_blocks] with contiguous rows");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "chunkattn: num_heads must be a multiple of num_kv_heads, got ", num_heads, " over ", num_kv_heads);
+  TORCH_CHECK(block_size > 0 && head_size > 0, "chunkattn: block_size and head_size must be positive");
+  TORCH_CHECK(num_partial_rows >= 0, "chunkattn: num_partial_rows must be >= 0");
+  const int64_t batch = order.numel();
+  check_context_arrays(batch, seq_lens, order, node_begin, node_end, node_chunk_begin, node_chunk_end,
+                       node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
+  TORCH_CHECK(block_table.size(0) >= batch, "chunkattn: block_table has ", block_table.size(0), " rows for a batch of ",
+              batch);
+  const TreeContextView ctx = context_view(order, node_begin, node_end, node_chunk_begin, node_chunk_end,
+                                           node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  validate_context(ctx, batch, node_begin.numel(), num_partial_rows, lens, block_table.size(1), block_size);
+
+  header.resize_({kDecodePlanHeaderInts});
+  DecodePlanHeader h{};
+  h.batch = static_cast<int32_t>(batch);
+  h.num_nodes = static_cast<int32_t>(node_begin.numel());
+  h.num_partial_rows = static_cast<int32_t>(num_partial_rows);
+  h.num_heads = static_cast<int32_t>(num_heads);
+  h.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+  h.head_size = static_cast<int32_t>(head_size);
+  h.block_size = static_cast<int32_t>(block_size);
+  h.table_width = static_cast<int32_t>(block_table.size(1));
+  h.num_threads = static_cast<int32_t>(at::get_num_threads());
+  plan_cpu(h, items, node_work, partial_work, row_order, ctx, lens);
+  std::memcpy(header.data_ptr<int32_t>(), &h, sizeof(h));
+}
+
 void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& order,
                 const torch::Tensor& node_begin, const torch::Tensor& node_end, const torch::Tensor& node_chunk_begin,
                 const torch::Tensor& node_chunk_end, const torch::Tensor& node_partial_offset,
                 const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
-                const torch::Tensor& row_partials, int64_t num_partial_rows, double scale) {
+                const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
+                const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
+                const torch::Tensor& plan_row_order, double scale) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
               "chunkattn: query and out must be [batch, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "chunkattn: out dtype must match query dtype");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
               "chunkattn: kv_cache must be contiguous [num_blocks, num_kv_heads, block_size, 2*head_size]");
-  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "chunkattn: num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
-                  block_table.size(0) >= query.size(0),
-              "chunkattn: block_table must be int32 [batch, max_blocks] with contiguous rows");
+  TORCH_CHECK(cpu::supports_dtype(query.scalar_type()), "chunkattn: the CPU kernels support query dtypes ",
+              cpu::supported_dtypes(), "; got ", query.scalar_type());
+
+  // O(1) checks of this layer's tensors against the plan, which validated
+  // the context's values when it was built.
+  TORCH_CHECK(plan_header.device().is_cpu() && plan_header.scalar_type() == at::kInt && plan_header.is_contiguous() &&
+                  plan_header.numel() == kDecodePlanHeaderInts,
+              "chunkattn: plan header must be ", kDecodePlanHeaderInts, " int32 on the CPU (made by tpp_decode_plan)");
+  DecodePlanHeader h;
+  std::memcpy(&h, plan_header.data_ptr<int32_t>(), sizeof(h));
   const int64_t batch = query.size(0);
-  cpu::check_int32_vector(seq_lens, "seq_lens");
-  cpu::check_int32_vector(order, "order");
-  cpu::check_int32_vector(shared_chunks, "shared_chunks");
-  cpu::check_int32_vector(row_partial_offsets, "row_partial_offsets");
-  cpu::check_int32_vector(row_partials, "row_partials");
-  for (const auto* t : {&node_begin, &node_end, &node_chunk_begin, &node_chunk_end, &node_partial_offset}) {
-    cpu::check_int32_vector(*t, "node arrays");
-    TORCH_CHECK(t->numel() == node_begin.numel(), "chunkattn: node arrays must have the same length");
-  }
-  TORCH_CHECK(seq_lens.numel() >= batch && order.numel() == batch && shared_chunks.numel() == batch &&
-                  row_partial_offsets.numel() == batch + 1,
-              "chunkattn: per-row context arrays do not match the batch size ", batch);
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kHalf ||
-                  query.scalar_type() == at::kBFloat16,
-              "chunkattn: query dtype must be float32, float16 or bfloat16");
+  TORCH_CHECK(h.batch == batch && h.num_heads == query.size(1) && h.head_size == query.size(2) &&
+                  h.num_kv_heads == kv_cache.size(1) && h.block_size == kv_cache.size(2),
+              "chunkattn: decode plan built for ", h.batch, " rows x ", h.num_heads, " heads of ", h.head_size, " over ",
+              h.num_kv_heads, " KV heads, block size ", h.block_size, "; this layer has ", batch, " rows x ",
+              query.size(1), " heads of ", query.size(2), " over ", kv_cache.size(1), " KV heads, block size ",
+              kv_cache.size(2));
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  block_table.size(0) >= batch && block_table.size(1) >= h.table_width,
+              "chunkattn: block_table must be int32 [batch, max_blocks] with contiguous rows and at least the ",
+              h.table_width, " columns the plan was built for");
+  check_context_arrays(batch, seq_lens, order, node_begin, node_end, node_chunk_begin, node_chunk_end,
+                       node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
+  TORCH_CHECK(node_begin.numel() == h.num_nodes, "chunkattn: the plan was built for ", h.num_nodes,
+              " tree nodes, the context has ", node_begin.numel());
+  for (const auto* t : {&plan_items, &plan_node_work, &plan_partial_work})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(1) == kPlanRowInts,
+                "chunkattn: plan items/node_work/partial_work must be contiguous int32 [n, ", kPlanRowInts, "]");
+  cpu::check_int32_vector(plan_row_order, "plan row_order");
+  TORCH_CHECK(plan_items.size(0) == static_cast<int64_t>(h.num_items) + 1 && plan_node_work.size(0) == h.num_nodes &&
+                  plan_partial_work.size(0) == h.num_partial_rows && plan_row_order.numel() == batch &&
+                  h.num_slots >= 0 && h.heads_per_item >= 1 && h.heads_per_item <= h.num_kv_heads,
+              "chunkattn: plan tensors do not match the plan header (not a CPU plan from tpp_decode_plan?)");
   if (batch == 0) return;
+  const TreeContextView ctx = context_view(order, node_begin, node_end, node_chunk_begin, node_chunk_end,
+                                           node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
+  const DecodePlanView plan{h, plan_items.data_ptr<int32_t>(), plan_node_work.data_ptr<int32_t>(),
+                            plan_partial_work.data_ptr<int32_t>(), plan_row_order.data_ptr<int32_t>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {
-    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, order, node_begin, node_end,
-                              node_chunk_begin, node_chunk_end, node_partial_offset, shared_chunks,
-                              row_partial_offsets, row_partials, num_partial_rows, static_cast<float>(scale));
+    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, static_cast<float>(scale));
   });
 }
 

@@ -76,11 +76,25 @@ struct DecodeArgs {
   int64_t cache_stride_block, cache_stride_head;
   int64_t block_table_stride;
 };
-// Bytes of scratch memory the launch needs. Depends only on shapes, never on
-// the values in the tree arrays, so it is the same at CUDA-graph capture and
-// at every replay.
-size_t tpp_decode_workspace_bytes(const DecodeArgs& args);
-void launch_tpp_decode(const DecodeArgs& args, void* workspace, cudaStream_t stream);
+// The step's work plan on the device (csrc/common/decode_plan.h): int32 rows of 4.
+struct DecodePlanBuffers {
+  int* items;         // [DecodeSizes::item_capacity + 1][4]
+  int* node_work;     // [num_nodes][4]
+  int* partial_work;  // [num_partial_rows][4]
+};
+// Sizes that depend only on shapes, never on the values in the tree arrays,
+// so they are the same at CUDA-graph capture and at every replay.
+struct DecodeSizes {
+  int item_capacity;       // chunk-first items a plan holds (its items have one more row: an end row)
+  int piece_row_capacity;  // fp32 partial slots of the chunk-first phase
+  size_t workspace_bytes;  // scratch memory of one layer's launch_tpp_decode
+};
+DecodeSizes tpp_decode_sizes(const DecodeArgs& args);
+// Once per step: fills `plan` from the tree context (reads only the context
+// arrays and the shapes of `args`).
+void launch_tpp_decode_plan(const DecodeArgs& args, const DecodePlanBuffers& plan, cudaStream_t stream);
+// Per layer: attends and merges following the step's plan.
+void launch_tpp_decode(const DecodeArgs& args, const DecodePlanBuffers& plan, void* workspace, cudaStream_t stream);
 
 // ---------------------------------------------------------- paged prefill
 struct PrefillArgs {

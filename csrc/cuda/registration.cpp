@@ -11,6 +11,7 @@
 
 TORCH_LIBRARY_IMPL(chunkattn, CUDA, m) {
   m.impl("write_kv_cache", &chunkattn::cuda_ops::write_kv_cache);
+  m.impl("tpp_decode_plan", &chunkattn::cuda_ops::tpp_decode_plan);
   m.impl("tpp_decode", &chunkattn::cuda_ops::tpp_decode);
   m.impl("paged_prefill", &chunkattn::cuda_ops::paged_prefill);
   m.impl("merge_attn_states", &chunkattn::cuda_ops::merge_attn_states);

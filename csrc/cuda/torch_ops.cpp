@@ -9,10 +9,12 @@
 #include <torch/all.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 
 #include "cuda/dispatch.h"
 #include "cuda/launch.h"
+#include "common/decode_plan.h"
 
 namespace chunkattn::cuda_ops {
 
@@ -20,13 +22,12 @@ namespace {
 
 using chunkattn::cuda::DType;
 
-DType attention_dtype(const at::Tensor& t, const char* op) {
+DType attention_dtype(at::ScalarType type, const char* op) {
 #define CHUNKATTN_CASE_DTYPE(ENUM, T, SCALAR, NAME) \
-  if (t.scalar_type() == at::ScalarType::SCALAR) return DType::ENUM;
+  if (type == at::ScalarType::SCALAR) return DType::ENUM;
   CHUNKATTN_CUDA_FOR_EACH_DTYPE(CHUNKATTN_CASE_DTYPE)
 #undef CHUNKATTN_CASE_DTYPE
-  TORCH_CHECK(false, "chunkattn::", op, " on CUDA supports ", chunkattn::cuda::supported_dtypes(), ", got ",
-              t.scalar_type());
+  TORCH_CHECK(false, "chunkattn::", op, " on CUDA supports ", chunkattn::cuda::supported_dtypes(), ", got ", type);
 }
 
 void check_index(const at::Tensor& t, const char* name, const at::Device& device, int64_t min_numel) {
@@ -147,16 +148,15 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   run("write_kv_cache", [&] { chunkattn::cuda::launch_write_kv_cache(a, stream); });
 }
 
-void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                const at::Tensor& seq_lens, const at::Tensor& order, const at::Tensor& node_begin,
-                const at::Tensor& node_end, const at::Tensor& node_chunk_begin, const at::Tensor& node_chunk_end,
-                const at::Tensor& node_partial_offset, const at::Tensor& shared_chunks,
-                const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, int64_t num_partial_rows,
-                double scale) {
-  check_query(query, out, kv_cache, "tpp_decode");
-  const DType dtype = attention_dtype(query, "tpp_decode");
-  const at::Device device = query.device();
-  const int64_t batch = query.size(0);
+namespace {
+
+// Checks the tree context's arrays and puts them, with the shapes, into `a`.
+void decode_context_args(chunkattn::cuda::DecodeArgs& a, const at::Device& device, int64_t batch,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& order,
+                         const at::Tensor& node_begin, const at::Tensor& node_end,
+                         const at::Tensor& node_chunk_begin, const at::Tensor& node_chunk_end,
+                         const at::Tensor& node_partial_offset, const at::Tensor& shared_chunks,
+                         const at::Tensor& row_partial_offsets, const at::Tensor& row_partials) {
   check_block_table(block_table, device, batch);
   check_index(seq_lens, "seq_lens", device, batch);
   check_index(order, "order", device, batch);
@@ -168,19 +168,6 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
   check_index(shared_chunks, "shared_chunks", device, batch);
   check_index(row_partial_offsets, "row_partial_offsets", device, batch + 1);
   check_index(row_partials, "row_partials", device, 0);
-  TORCH_CHECK(num_partial_rows >= 0, "num_partial_rows must be >= 0");
-  if (batch == 0) return;
-
-  const c10::cuda::OptionalCUDAGuard guard(device);
-  const at::Tensor q = aligned_query(query);
-  const bool out_ok = vectors_aligned(out, 8);
-  at::Tensor dst = out_ok ? out : at::empty(out.sizes(), out.options());
-
-  chunkattn::cuda::DecodeArgs a{};
-  a.dtype = dtype;
-  a.out = dst.data_ptr();
-  a.query = q.data_ptr();
-  a.kv_cache = kv_cache.data_ptr();
   a.block_table = block_table.data_ptr<int>();
   a.seq_lens = seq_lens.data_ptr<int>();
   a.order = order.data_ptr<int>();
@@ -193,12 +180,143 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
   a.row_partial_offsets = row_partial_offsets.data_ptr<int>();
   a.row_partials = row_partials.data_ptr<int>();
   a.batch = static_cast<int>(batch);
+  a.num_nodes = static_cast<int>(nodes);
+  a.block_table_stride = block_table.stride(0);
+}
+
+void check_plan_rows(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.device() == device && t.scalar_type() == at::kInt && t.is_contiguous(), "chunkattn: plan ", name,
+              " must be contiguous int32 on ", device);
+}
+
+// A plan tensor of `rows` x 4: sized at the first plan (so that a CUDA graph
+// captured after it keeps reading the same memory), never resized after.
+void size_plan_rows(at::Tensor& t, const char* name, int64_t rows) {
+  if (t.numel() == 0 && rows > 0) t.resize_({rows, chunkattn::kPlanRowInts});
+  TORCH_CHECK(t.numel() == rows * chunkattn::kPlanRowInts, "chunkattn::tpp_decode_plan: plan ", name, " holds ",
+              t.numel() / chunkattn::kPlanRowInts, " rows, this step's shapes need ", rows,
+              ": one plan's buffers serve one set of shapes (batch capacity, tree capacity, heads)");
+  if (t.dim() != 2) t.resize_({rows, chunkattn::kPlanRowInts});
+}
+
+chunkattn::cuda::DecodePlanBuffers plan_buffers(const at::Tensor& items, const at::Tensor& node_work,
+                                                const at::Tensor& partial_work) {
+  return {items.data_ptr<int>(), node_work.numel() ? node_work.data_ptr<int>() : nullptr,
+          partial_work.numel() ? partial_work.data_ptr<int>() : nullptr};
+}
+
+}  // namespace
+
+void tpp_decode_plan(at::Tensor& plan_header, at::Tensor& plan_items, at::Tensor& plan_node_work,
+                     at::Tensor& plan_partial_work, at::Tensor& plan_row_order, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& order, const at::Tensor& node_begin,
+                     const at::Tensor& node_end, const at::Tensor& node_chunk_begin, const at::Tensor& node_chunk_end,
+                     const at::Tensor& node_partial_offset, const at::Tensor& shared_chunks,
+                     const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, int64_t num_partial_rows,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                     at::ScalarType dtype) {
+  const at::Device device = block_table.device();
+  TORCH_CHECK(device.is_cuda(), "chunkattn::tpp_decode_plan: block_table must be a CUDA tensor");
+  const DType attention = attention_dtype(dtype, "tpp_decode_plan");
+  TORCH_CHECK(chunkattn::cuda::supports_head_size(static_cast<int>(head_size)),
+              "chunkattn::tpp_decode_plan on CUDA supports head sizes ", chunkattn::cuda::supported_head_sizes(),
+              ", got ", head_size);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 64,
+              "chunkattn::tpp_decode_plan: ", num_heads, " query heads over ", num_kv_heads,
+              " KV heads (need a GQA group of 1..64)");
+  TORCH_CHECK(chunkattn::cuda::supports_block_size(static_cast<int>(block_size)),
+              "chunkattn::tpp_decode_plan on CUDA supports block sizes ", chunkattn::cuda::supported_block_sizes(),
+              ", got ", block_size);
+  TORCH_CHECK(num_partial_rows >= 0, "num_partial_rows must be >= 0");
+  TORCH_CHECK(plan_header.device().is_cpu() && plan_header.scalar_type() == at::kInt,
+              "chunkattn: plan header must be int32 on the CPU");
+  check_plan_rows(plan_items, "items", device);
+  check_plan_rows(plan_node_work, "node_work", device);
+  check_plan_rows(plan_partial_work, "partial_work", device);
+  check_plan_rows(plan_row_order, "row_order", device);
+  const int64_t batch = order.numel();
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  chunkattn::cuda::DecodeArgs a{};
+  a.dtype = attention;
+  decode_context_args(a, device, batch, block_table, seq_lens, order, node_begin, node_end, node_chunk_begin,
+                      node_chunk_end, node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
+  a.num_heads = static_cast<int>(num_heads);
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.head_size = static_cast<int>(head_size);
+  a.block_size = static_cast<int>(block_size);
+  a.num_partial_rows = static_cast<int>(num_partial_rows);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  run("tpp_decode_plan", [&] {
+    const chunkattn::cuda::DecodeSizes sizes = chunkattn::cuda::tpp_decode_sizes(a);
+    size_plan_rows(plan_items, "items", static_cast<int64_t>(sizes.item_capacity) + 1);
+    size_plan_rows(plan_node_work, "node_work", a.num_nodes);
+    size_plan_rows(plan_partial_work, "partial_work", a.num_partial_rows);
+    TORCH_CHECK(plan_row_order.numel() == 0, "chunkattn: the CUDA plan has no row order (pass an empty tensor)");
+    chunkattn::DecodePlanHeader h{};
+    h.batch = a.batch;
+    h.num_nodes = a.num_nodes;
+    h.num_partial_rows = a.num_partial_rows;
+    h.num_heads = a.num_heads;
+    h.num_kv_heads = a.num_kv_heads;
+    h.head_size = a.head_size;
+    h.block_size = a.block_size;
+    h.num_items = sizes.item_capacity;
+    h.num_slots = sizes.piece_row_capacity;
+    plan_header.resize_({chunkattn::kDecodePlanHeaderInts});
+    std::memcpy(plan_header.data_ptr<int32_t>(), &h, sizeof(h));
+    chunkattn::cuda::launch_tpp_decode_plan(a, plan_buffers(plan_items, plan_node_work, plan_partial_work), stream);
+  });
+}
+
+void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                const at::Tensor& seq_lens, const at::Tensor& order, const at::Tensor& node_begin,
+                const at::Tensor& node_end, const at::Tensor& node_chunk_begin, const at::Tensor& node_chunk_end,
+                const at::Tensor& node_partial_offset, const at::Tensor& shared_chunks,
+                const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, const at::Tensor& plan_header,
+                const at::Tensor& plan_items, const at::Tensor& plan_node_work, const at::Tensor& plan_partial_work,
+                const at::Tensor& plan_row_order, double scale) {
+  check_query(query, out, kv_cache, "tpp_decode");
+  const DType dtype = attention_dtype(query.scalar_type(), "tpp_decode");
+  const at::Device device = query.device();
+  const int64_t batch = query.size(0);
+  chunkattn::cuda::DecodeArgs a{};
+  a.dtype = dtype;
+  decode_context_args(a, device, batch, block_table, seq_lens, order, node_begin, node_end, node_chunk_begin,
+                      node_chunk_end, node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
   a.num_heads = static_cast<int>(query.size(1));
   a.num_kv_heads = static_cast<int>(kv_cache.size(1));
   a.head_size = static_cast<int>(query.size(2));
   a.block_size = static_cast<int>(kv_cache.size(2));
-  a.num_nodes = static_cast<int>(nodes);
-  a.num_partial_rows = static_cast<int>(num_partial_rows);
+
+  // O(1) checks of this layer against the step's plan (csrc/common/decode_plan.h).
+  TORCH_CHECK(plan_header.device().is_cpu() && plan_header.scalar_type() == at::kInt && plan_header.is_contiguous() &&
+                  plan_header.numel() == chunkattn::kDecodePlanHeaderInts,
+              "chunkattn: plan header must be ", chunkattn::kDecodePlanHeaderInts,
+              " int32 on the CPU (made by tpp_decode_plan)");
+  chunkattn::DecodePlanHeader h;
+  std::memcpy(&h, plan_header.data_ptr<int32_t>(), sizeof(h));
+  TORCH_CHECK(h.batch == a.batch && h.num_heads == a.num_heads && h.head_size == a.head_size &&
+                  h.num_kv_heads == a.num_kv_heads && h.block_size == a.block_size && h.num_nodes == a.num_nodes,
+              "chunkattn: decode plan built for ", h.batch, " rows x ", h.num_heads, " heads of ", h.head_size,
+              " over ", h.num_kv_heads, " KV heads, block size ", h.block_size, ", ", h.num_nodes,
+              " nodes; this layer has ", a.batch, " rows x ", a.num_heads, " heads of ", a.head_size, " over ",
+              a.num_kv_heads, " KV heads, block size ", a.block_size, ", ", a.num_nodes, " nodes");
+  for (const auto* t : {&plan_items, &plan_node_work, &plan_partial_work}) check_plan_rows(*t, "arrays", device);
+  TORCH_CHECK(plan_items.numel() == (static_cast<int64_t>(h.num_items) + 1) * chunkattn::kPlanRowInts &&
+                  plan_node_work.numel() == static_cast<int64_t>(h.num_nodes) * chunkattn::kPlanRowInts &&
+                  plan_partial_work.numel() == static_cast<int64_t>(h.num_partial_rows) * chunkattn::kPlanRowInts,
+              "chunkattn: plan tensors do not match the plan header");
+  (void)plan_row_order;  // the CUDA kernels order sequence-first work by block index
+  a.num_partial_rows = h.num_partial_rows;
+  if (batch == 0) return;
+
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  const at::Tensor q = aligned_query(query);
+  const bool out_ok = vectors_aligned(out, 8);
+  at::Tensor dst = out_ok ? out : at::empty(out.sizes(), out.options());
+  a.out = dst.data_ptr();
+  a.query = q.data_ptr();
+  a.kv_cache = kv_cache.data_ptr();
   a.scale = static_cast<float>(scale);
   a.out_stride_row = dst.stride(0);
   a.out_stride_head = dst.stride(1);
@@ -206,12 +324,14 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
   a.query_stride_head = q.stride(1);
   a.cache_stride_block = kv_cache.stride(0);
   a.cache_stride_head = kv_cache.stride(1);
-  a.block_table_stride = block_table.stride(0);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
   run("tpp_decode", [&] {
-    const size_t bytes = chunkattn::cuda::tpp_decode_workspace_bytes(a);
-    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
-    chunkattn::cuda::launch_tpp_decode(a, workspace.data_ptr(), stream);
+    const chunkattn::cuda::DecodeSizes sizes = chunkattn::cuda::tpp_decode_sizes(a);
+    TORCH_CHECK(sizes.item_capacity == h.num_items && sizes.piece_row_capacity == h.num_slots,
+                "chunkattn: this layer's launch sizes differ from the plan's");
+    at::Tensor workspace = at::empty({static_cast<int64_t>(sizes.workspace_bytes)}, query.options().dtype(at::kByte));
+    chunkattn::cuda::launch_tpp_decode(a, plan_buffers(plan_items, plan_node_work, plan_partial_work),
+                                       workspace.data_ptr(), stream);
   });
   if (!out_ok) out.copy_(dst);
 }
@@ -220,7 +340,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
                    double scale) {
   check_query(query, out, kv_cache, "paged_prefill");
-  const DType dtype = attention_dtype(query, "paged_prefill");
+  const DType dtype = attention_dtype(query.scalar_type(), "paged_prefill");
   const at::Device device = query.device();
   const int64_t num_reqs = seq_lens.numel();
   check_index(seq_lens, "seq_lens", device, num_reqs);
@@ -270,7 +390,7 @@ void merge_attn_states(at::Tensor& output, const at::Tensor& prefix_output, cons
   TORCH_CHECK(output.is_cuda() && output.dim() == 3 && output.stride(2) == 1,
               "chunkattn::merge_attn_states: output must be a CUDA tensor [num_tokens, num_heads, head_size] with "
               "contiguous head_size elements");
-  const DType dtype = attention_dtype(output, "merge_attn_states");
+  const DType dtype = attention_dtype(output.scalar_type(), "merge_attn_states");
   const at::Device device = output.device();
   for (const auto* t : {&prefix_output, &suffix_output}) {
     TORCH_CHECK(t->device() == device && t->sizes() == output.sizes() && t->scalar_type() == output.scalar_type() &&

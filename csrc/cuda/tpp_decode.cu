@@ -12,16 +12,20 @@
 //                shared_chunks [batch]; row_partial_offsets [batch + 1]; row_partials
 //   GQA: query head hq uses KV head hq / G, G = num_heads / num_kv_heads <= 64.
 //
-// Three launches on the caller's stream, all with grids that depend on
-// shapes only (never on the tree values), so the sequence is CUDA-graph safe:
+// Launches on the caller's stream, all with grids that depend on shapes only
+// (never on the tree values), so the sequence is CUDA-graph safe. The plan
+// runs once per step (launch_tpp_decode_plan, from the metadata builder, into
+// the step's plan buffers: csrc/common/decode_plan.h); every layer then runs attend
+// and merge (launch_tpp_decode), which read it.
 //
 // 1. plan <<<1, 256>>>: for every node k it derives row tiles (64 / G requests,
 //    i.e. <= 64 query rows, per tile) and pieces (the node's positions split
 //    into `pieces` ranges of whole KV tiles, more pieces when the batch has few
 //    node tiles, so that small trees still fill the GPU), then writes the
 //    chunk-first work list items (node, row tile, piece) with a block-wide
-//    prefix sum, the fp32 slot of every (node row, piece) partial, and for
-//    every partial row of the context where its pieces live.
+//    prefix sum, ended by a row with node -1, the fp32 slot of every (node
+//    row, piece) partial, and for every partial row of the context where its
+//    pieces live.
 //
 // 2. attend <<<grid1 + S * batch * num_kv_heads, 128, smem>>> (attention.cuh):
 //    - blocks [0, grid1): chunk-first phase. grid1 = min(work-list capacity,
@@ -38,16 +42,19 @@
 //    softmax merge (paper equation 2) of its node pieces (via row_partials) and
 //    its private splits; writes out = o / n (0 for a request with no context).
 //
-// Workspace (one byte buffer from the caller, size tpp_decode_workspace_bytes):
-//   node_meta int4 [num_nodes] (slot base, pieces, KV tiles per piece)
-//   part_meta int4 [num_partial_rows] (first slot, slot stride, pieces)
-//   items int4 [item capacity], item count int
+// Plan (int4 rows, csrc/common/decode_plan.h):
+//   node_work int4 [num_nodes] (slot base, pieces, KV tiles per piece, 0)
+//   partial_work int4 [num_partial_rows] (first slot, slot stride, pieces, node)
+//   items int4 [item capacity + 1] (node, row tile, piece, 0), then (-1, ...)
+// Workspace of a layer (one byte buffer from the caller, size
+// tpp_decode_workspace_bytes):
 //   piece partials: (m, n) float2 and o float [slot capacity][num_heads][(D)]
 //   split partials: (m, n) float2 and o float [batch][S][num_heads][(D)]
 // m is kept in the log2 domain (scores times scale * log2(e)) throughout.
 #include <algorithm>
 
 #include "cuda/attention.cuh"
+#include "common/decode_plan.h"
 
 namespace chunkattn::cuda {
 
@@ -86,11 +93,11 @@ struct DecodeKernelParams {
   int piece_row_capacity;
   int grid_chunk_first;
   int num_splits;
-  // workspace
-  int4* node_meta;
-  int4* part_meta;
+  // plan
+  int4* node_work;
+  int4* partial_work;
   int4* items;
-  int* item_count;
+  // workspace
   float2* piece_ml;
   float* piece_o;
   float2* split_ml;
@@ -148,20 +155,23 @@ __global__ void __launch_bounds__(kPlanThreads) tpp_plan_kernel(DecodeKernelPara
     const int item_offset = item_carry + block_exclusive_scan(tiles * pieces, scratch, items_total);
     const int slot_offset = slot_carry + block_exclusive_scan(rows * pieces, scratch, slots_total);
     if (k < p.num_nodes) {
-      p.node_meta[k] = make_int4(slot_offset, pieces, tiles_per_piece, 0);
+      p.node_work[k] = make_int4(slot_offset, pieces, tiles_per_piece, 0);
       for (int i = 0; i < tiles * pieces; ++i) {
         if (item_offset + i < p.item_capacity) p.items[item_offset + i] = make_int4(k, i / pieces, i % pieces, 0);
       }
       const int first = p.node_partial_offset[k];
       for (int r = 0; r < rows; ++r) {
         const int row = first + r;
-        if (row >= 0 && row < p.num_partial_rows) p.part_meta[row] = make_int4(slot_offset + r, rows, pieces, 0);
+        if (row >= 0 && row < p.num_partial_rows) p.partial_work[row] = make_int4(slot_offset + r, rows, pieces, k);
       }
     }
     item_carry += items_total;
     slot_carry += slots_total;
   }
-  if (threadIdx.x == 0) *p.item_count = min(item_carry, p.item_capacity);
+  // Every row after the last item is an end row: a block striding through the
+  // list may step over the first one.
+  for (int i = min(item_carry, p.item_capacity) + threadIdx.x; i <= p.item_capacity; i += blockDim.x)
+    p.items[i] = make_int4(kNoNode, 0, 0, 0);
 }
 
 template <typename T, int D>
@@ -176,12 +186,13 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
 
   if (static_cast<int>(blockIdx.x) < p.grid_chunk_first) {
     // ---------------- chunk-first: (node, row tile, piece) x KV head jobs
-    const int jobs = *p.item_count * p.num_kv_heads;
-    for (int job = blockIdx.x; job < jobs; job += p.grid_chunk_first) {
+    // Items up to an end row (node -1); row item_capacity always is one.
+    for (int job = blockIdx.x;; job += p.grid_chunk_first) {
       const int h = job % p.num_kv_heads;
-      const int4 item = p.items[job / p.num_kv_heads];
+      const int4 item = p.items[min(job / p.num_kv_heads, p.item_capacity)];
+      if (item.x < 0) break;  // block-uniform
       const int node = item.x, tile = item.y, piece = item.z;
-      const int4 meta = p.node_meta[node];
+      const int4 meta = p.node_work[node];
       const int begin = p.node_begin[node];
       const int rows = p.node_end[node] - begin;
       const int first = begin + tile * p.rows_per_tile;  // first tree position of the tile
@@ -259,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
     for (int e = e_begin; e < e_end; ++e) {
       const int row = p.row_partials[e];
       if (row < 0 || row >= p.num_partial_rows) continue;
-      const int4 meta = p.part_meta[row];
+      const int4 meta = p.partial_work[row];
       for (int j = 0; j < meta.z; ++j) {
         const int slot = meta.x + j * meta.y;
         if (slot < 0 || slot >= p.piece_row_capacity) continue;
@@ -276,33 +287,33 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
   }
 }
 
-// Shape-only launch plan (identical at CUDA-graph capture and replay).
-struct DecodePlan {
+// Shape-only launch configuration (identical at CUDA-graph capture and replay,
+// and for the plan and every layer's run of one step).
+struct LaunchConfig {
   int group, rows_per_tile, kv_tile, target_blocks, item_capacity, piece_row_capacity;
   int grid_chunk_first, num_splits, smem_bytes;
-  size_t off_node_meta, off_part_meta, off_items, off_item_count, off_piece_ml, off_piece_o, off_split_ml,
-      off_split_o, total_bytes;
+  size_t off_piece_ml, off_piece_o, off_split_ml, off_split_o, workspace_bytes;
 };
 
 template <typename T, int D>
-DecodePlan make_plan(const DecodeArgs& a) {
-  DecodePlan plan{};
+LaunchConfig launch_config(const DecodeArgs& a) {
+  LaunchConfig c{};
   const int device = current_device();
-  plan.smem_bytes = SmemLayout<D>::kBytes;
-  const int per_sm = prepare_kernel<tpp_attend_kernel<T, D>>(plan.smem_bytes, kThreads, device);
-  plan.target_blocks = num_sms(device) * per_sm;
-  plan.group = a.num_heads / a.num_kv_heads;
-  plan.rows_per_tile = std::max(1, kMaxRows / plan.group);
-  plan.kv_tile = TileConfig<D>::kKvTile;
+  c.smem_bytes = SmemLayout<D>::kBytes;
+  const int per_sm = prepare_kernel<tpp_attend_kernel<T, D>>(c.smem_bytes, kThreads, device);
+  c.target_blocks = num_sms(device) * per_sm;
+  c.group = a.num_heads / a.num_kv_heads;
+  c.rows_per_tile = std::max(1, kMaxRows / c.group);
+  c.kv_tile = TileConfig<D>::kKvTile;
   const int nodes = std::max(a.num_nodes, 0), partial_rows = std::max(a.num_partial_rows, 0);
-  plan.item_capacity = kMaxPieces * (ceil_div(partial_rows, plan.rows_per_tile) + nodes);
-  plan.piece_row_capacity =
+  c.item_capacity = kMaxPieces * (ceil_div(partial_rows, c.rows_per_tile) + nodes);
+  c.piece_row_capacity =
       partial_rows == 0 ? 0 : std::min(partial_rows * kMaxPieces, std::max(partial_rows, kMinPieceRows));
-  const int64_t jobs_capacity = static_cast<int64_t>(plan.item_capacity) * a.num_kv_heads;
-  plan.grid_chunk_first = static_cast<int>(std::min<int64_t>(jobs_capacity, plan.target_blocks));
+  const int64_t jobs_capacity = static_cast<int64_t>(c.item_capacity) * a.num_kv_heads;
+  c.grid_chunk_first = static_cast<int>(std::min<int64_t>(jobs_capacity, c.target_blocks));
   const int64_t seq_blocks = static_cast<int64_t>(std::max(a.batch, 1)) * a.num_kv_heads;
-  plan.num_splits = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (plan.target_blocks + seq_blocks - 1) / seq_blocks)));
+  c.num_splits = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (c.target_blocks + seq_blocks - 1) / seq_blocks)));
 
   size_t off = 0;
   auto take = [&](size_t bytes) {
@@ -311,28 +322,16 @@ DecodePlan make_plan(const DecodeArgs& a) {
     return at;
   };
   const size_t heads = static_cast<size_t>(a.num_heads);
-  plan.off_node_meta = take(sizeof(int4) * nodes);
-  plan.off_part_meta = take(sizeof(int4) * partial_rows);
-  plan.off_items = take(sizeof(int4) * plan.item_capacity);
-  plan.off_item_count = take(sizeof(int));
-  plan.off_piece_ml = take(sizeof(float2) * plan.piece_row_capacity * heads);
-  plan.off_piece_o = take(sizeof(float) * plan.piece_row_capacity * heads * D);
-  const size_t split_rows = static_cast<size_t>(std::max(a.batch, 0)) * plan.num_splits * heads;
-  plan.off_split_ml = take(sizeof(float2) * split_rows);
-  plan.off_split_o = take(sizeof(float) * split_rows * D);
-  plan.total_bytes = off;
-  return plan;
+  c.off_piece_ml = take(sizeof(float2) * c.piece_row_capacity * heads);
+  c.off_piece_o = take(sizeof(float) * c.piece_row_capacity * heads * D);
+  const size_t split_rows = static_cast<size_t>(std::max(a.batch, 0)) * c.num_splits * heads;
+  c.off_split_ml = take(sizeof(float2) * split_rows);
+  c.off_split_o = take(sizeof(float) * split_rows * D);
+  c.workspace_bytes = off;
+  return c;
 }
 
-template <typename T, int D>
-void run_decode(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
-  const DecodePlan plan = make_plan<T, D>(a);
-  if (bytes_only) {
-    *bytes_only = plan.total_bytes;
-    return;
-  }
-  if (a.batch <= 0) return;
-  char* ws = static_cast<char*>(workspace);
+DecodeKernelParams kernel_params(const DecodeArgs& a, const LaunchConfig& c, const DecodePlanBuffers& plan) {
   DecodeKernelParams p{};
   p.out = a.out;
   p.query = a.query;
@@ -351,7 +350,7 @@ void run_decode(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_
   p.batch = a.batch;
   p.num_heads = a.num_heads;
   p.num_kv_heads = a.num_kv_heads;
-  p.group = plan.group;
+  p.group = c.group;
   p.block_size = a.block_size;
   p.block_shift = log2_exact(a.block_size);
   p.num_nodes = a.num_nodes;
@@ -364,38 +363,59 @@ void run_decode(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_
   p.cache_stride_block = a.cache_stride_block;
   p.cache_stride_head = a.cache_stride_head;
   p.block_table_stride = a.block_table_stride;
-  p.rows_per_tile = plan.rows_per_tile;
-  p.kv_tile = plan.kv_tile;
-  p.target_blocks = plan.target_blocks;
-  p.item_capacity = plan.item_capacity;
-  p.piece_row_capacity = plan.piece_row_capacity;
-  p.grid_chunk_first = plan.grid_chunk_first;
-  p.num_splits = plan.num_splits;
-  p.node_meta = reinterpret_cast<int4*>(ws + plan.off_node_meta);
-  p.part_meta = reinterpret_cast<int4*>(ws + plan.off_part_meta);
-  p.items = reinterpret_cast<int4*>(ws + plan.off_items);
-  p.item_count = reinterpret_cast<int*>(ws + plan.off_item_count);
-  p.piece_ml = reinterpret_cast<float2*>(ws + plan.off_piece_ml);
-  p.piece_o = reinterpret_cast<float*>(ws + plan.off_piece_o);
-  p.split_ml = reinterpret_cast<float2*>(ws + plan.off_split_ml);
-  p.split_o = reinterpret_cast<float*>(ws + plan.off_split_o);
+  p.rows_per_tile = c.rows_per_tile;
+  p.kv_tile = c.kv_tile;
+  p.target_blocks = c.target_blocks;
+  p.item_capacity = c.item_capacity;
+  p.piece_row_capacity = c.piece_row_capacity;
+  p.grid_chunk_first = c.grid_chunk_first;
+  p.num_splits = c.num_splits;
+  p.node_work = reinterpret_cast<int4*>(plan.node_work);
+  p.partial_work = reinterpret_cast<int4*>(plan.partial_work);
+  p.items = reinterpret_cast<int4*>(plan.items);
+  return p;
+}
 
-  constexpr auto plan_kernel = tpp_plan_kernel;
+enum class Stage { kSizes, kPlan, kRun };
+
+template <typename T, int D>
+void decode_stage(Stage stage, const DecodeArgs& a, const DecodePlanBuffers* plan, void* workspace,
+                  cudaStream_t stream, DecodeSizes* sizes) {
+  const LaunchConfig c = launch_config<T, D>(a);
+  if (stage == Stage::kSizes) {
+    *sizes = DecodeSizes{c.item_capacity, c.piece_row_capacity, c.workspace_bytes};
+    return;
+  }
+  DecodeKernelParams p = kernel_params(a, c, *plan);
+  if (stage == Stage::kPlan) {
+    // Also for an empty batch: the end rows keep a later layer's attend, or a
+    // graph captured for a larger batch, off stale items.
+    constexpr auto plan_kernel = tpp_plan_kernel;
+    CHUNKATTN_LAUNCH(plan_kernel, 1, kPlanThreads, 0, stream, p);
+    check_launch("tpp_decode_plan");
+    return;
+  }
+  if (a.batch <= 0) return;
+  char* ws = static_cast<char*>(workspace);
+  p.piece_ml = reinterpret_cast<float2*>(ws + c.off_piece_ml);
+  p.piece_o = reinterpret_cast<float*>(ws + c.off_piece_o);
+  p.split_ml = reinterpret_cast<float2*>(ws + c.off_split_ml);
+  p.split_o = reinterpret_cast<float*>(ws + c.off_split_o);
   constexpr auto attend_kernel = tpp_attend_kernel<T, D>;
   constexpr auto merge_kernel = tpp_merge_kernel<T, D>;
-  const int64_t grid = static_cast<int64_t>(plan.grid_chunk_first) +
-                       static_cast<int64_t>(plan.num_splits) * a.batch * a.num_kv_heads;
-  CHUNKATTN_LAUNCH(plan_kernel, 1, kPlanThreads, 0, stream, p);
-  CHUNKATTN_LAUNCH(attend_kernel, static_cast<unsigned>(grid), kThreads, plan.smem_bytes, stream, p);
+  const int64_t grid = static_cast<int64_t>(c.grid_chunk_first) +
+                       static_cast<int64_t>(c.num_splits) * a.batch * a.num_kv_heads;
+  CHUNKATTN_LAUNCH(attend_kernel, static_cast<unsigned>(grid), kThreads, c.smem_bytes, stream, p);
   CHUNKATTN_LAUNCH(merge_kernel, a.batch * a.num_kv_heads, kThreads, 0, stream, p);
   check_launch("tpp_decode");
 }
 
 template <typename T>
-void dispatch_head_size(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
+void dispatch_head_size(Stage stage, const DecodeArgs& a, const DecodePlanBuffers* plan, void* workspace,
+                        cudaStream_t stream, DecodeSizes* sizes) {
 #define CHUNKATTN_CASE_HEAD_SIZE(D) \
   case D:                           \
-    return run_decode<T, D>(a, workspace, stream, bytes_only);
+    return decode_stage<T, D>(stage, a, plan, workspace, stream, sizes);
   switch (a.head_size) {
     CHUNKATTN_CUDA_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_HEAD_SIZE)
     default:
@@ -405,10 +425,11 @@ void dispatch_head_size(const DecodeArgs& a, void* workspace, cudaStream_t strea
 #undef CHUNKATTN_CASE_HEAD_SIZE
 }
 
-void dispatch(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_t* bytes_only) {
+void dispatch(Stage stage, const DecodeArgs& a, const DecodePlanBuffers* plan, void* workspace, cudaStream_t stream,
+              DecodeSizes* sizes) {
 #define CHUNKATTN_CASE_DTYPE(ENUM, T, SCALAR, NAME) \
   case DType::ENUM:                                 \
-    return dispatch_head_size<T>(a, workspace, stream, bytes_only);
+    return dispatch_head_size<T>(stage, a, plan, workspace, stream, sizes);
   switch (a.dtype) {
     CHUNKATTN_CUDA_FOR_EACH_DTYPE(CHUNKATTN_CASE_DTYPE)
   }
@@ -418,14 +439,18 @@ void dispatch(const DecodeArgs& a, void* workspace, cudaStream_t stream, size_t*
 
 }  // namespace
 
-size_t tpp_decode_workspace_bytes(const DecodeArgs& args) {
-  size_t bytes = 0;
-  dispatch(args, nullptr, nullptr, &bytes);
-  return bytes;
+DecodeSizes tpp_decode_sizes(const DecodeArgs& args) {
+  DecodeSizes sizes{};
+  dispatch(Stage::kSizes, args, nullptr, nullptr, nullptr, &sizes);
+  return sizes;
 }
 
-void launch_tpp_decode(const DecodeArgs& args, void* workspace, cudaStream_t stream) {
-  dispatch(args, workspace, stream, nullptr);
+void launch_tpp_decode_plan(const DecodeArgs& args, const DecodePlanBuffers& plan, cudaStream_t stream) {
+  dispatch(Stage::kPlan, args, &plan, nullptr, stream, nullptr);
+}
+
+void launch_tpp_decode(const DecodeArgs& args, const DecodePlanBuffers& plan, void* workspace, cudaStream_t stream) {
+  dispatch(Stage::kRun, args, &plan, workspace, stream, nullptr);
 }
 
 }  // namespace chunkattn::cuda

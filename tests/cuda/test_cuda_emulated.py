@@ -56,7 +56,9 @@ def _strides(*values: int):
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def emu_decode(emu, query, kv_cache, table, seq_lens, ctx, scale, num_sms=4, blocks_per_sm=2, num_partial_rows=None):
+def emu_decode(emu, query, kv_cache, table, seq_lens, ctx, scale, num_sms=4, blocks_per_sm=2, num_partial_rows=None,
+               layers=1):
+    """One step's plan, run by `layers` layers on the same inputs (the last one's output)."""
     out = torch.full_like(query, float("nan"))
     num_partial_rows = ctx.num_partial_rows if num_partial_rows is None else num_partial_rows
     err = emu.emu_tpp_decode(
@@ -67,7 +69,7 @@ def emu_decode(emu, query, kv_cache, table, seq_lens, ctx, scale, num_sms=4, blo
         query.shape[2], kv_cache.shape[2], ctx.node_begin.numel(), num_partial_rows, scale,
         _strides(out.stride(0), out.stride(1), query.stride(0), query.stride(1), kv_cache.stride(0),
                  kv_cache.stride(1), table.stride(0)),
-        num_sms, blocks_per_sm,
+        num_sms, blocks_per_sm, layers,
     )
     assert err is None, err.decode()
     return out
@@ -202,6 +204,23 @@ def test_tpp_decode_graph_padded_context(emu):
     expected = reference.paged_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
     _check(out[:7], expected[:7], torch.float16)
     assert torch.equal(out[7:], torch.zeros_like(out[7:])), "padding requests must give zeros"
+
+
+@pytest.mark.parametrize("num_sms", [1, 32])
+def test_tpp_decode_one_plan_for_many_layers(emu, num_sms):
+    """One plan, three layers' runs: the runs only read it. Fixed-capacity
+    context with few items in a long item list, so that (with many SMs) the
+    chunk-first blocks stride far past the last item and must stop at an end
+    row rather than read what the plan did not write this step."""
+    block_size = 16
+    table, seq_lens = multi_level(batch=10, levels=[(1, 48), (2, 32)], private=30, block_size=block_size)
+    query, kv_cache, table, seq_lens = _decode_case(32, 0, block_size, 64, 2, torch.bfloat16,
+                                                    table=table, seq_lens=seq_lens)
+    buffers = DeviceTreeBuffers(max_batch=16, max_nodes=15, max_partial_rows=64, device="cpu")
+    ctx = buffers.load(prefix_tree(table, seq_lens, block_size), batch=10)
+    out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125, num_sms=num_sms, layers=3)
+    expected = reference.paged_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
+    _check(out, expected, torch.bfloat16)
 
 
 def test_tpp_decode_truncated_tree(emu):

@@ -1,7 +1,8 @@
 """The decode path under CUDA-graph capture and replay: KV write + TPP decode
 captured once, then replayed for batches whose prefix trees, block tables,
 lengths and queries all differ from the capture, refreshed only by in-place
-copies into the same buffers (as the backend's builder does)."""
+copies into the same buffers and the step's plan kernel writing into the same
+plan buffers, outside the graph (as the backend's builder does)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vllm_chunkattn.kernels import ops
 from vllm_chunkattn.testing import reference
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.testing.paged_cases import multi_level, random_forest, shared_prefix
+from vllm_chunkattn.prefix.plan import DecodeShape, DecodeWork
 from vllm_chunkattn.prefix.tree import prefix_tree
 
 pytestmark = requires_gpu
@@ -33,6 +35,8 @@ def test_decode_graph_replays_new_trees():
     seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
     out = torch.zeros_like(query)
     tree = DeviceTreeBuffers(max_batch=batch, max_nodes=batch - 1, max_partial_rows=4 * batch, device="cuda")
+    work = DecodeWork.empty("cuda")
+    shape = DecodeShape.of_layer(query, kv)
 
     def stage(host_table, host_lens, seed):
         """Host-side refresh before a replay: in-place copies only."""
@@ -52,23 +56,24 @@ def test_decode_graph_replays_new_trees():
         )
         slots.copy_(torch.where(host_lens > 0, host_slots, -1))
         ctx = tree.load(prefix_tree(host_table, host_lens, block_size), batch)
-        return host_table, host_lens, ctx
+        plan = ops.plan_tpp_decode(shape, table, seq_lens, ctx, work)
+        return host_table, host_lens, plan
 
-    def step(ctx):
+    def step(plan):
         ops.write_kv_cache(key, value, kv, slots)
-        ops.tpp_decode(query, kv, table, seq_lens, ctx, 0.0884, out)
+        ops.tpp_decode(query, kv, plan, 0.0884, out)
 
     rng = np.random.default_rng(1)
     t0, l0 = random_forest(rng, batch, block_size, max_shared_blocks=8, max_private_blocks=8)
-    _, _, ctx = stage(t0, l0, 0)
+    _, _, captured = stage(t0, l0, 0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (kernel attributes, allocator)
-        step(ctx)
+        step(captured)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(ctx)
+        step(captured)
 
     cases = [
         random_forest(np.random.default_rng(2), batch, block_size, max_shared_blocks=10, max_private_blocks=3),
@@ -78,8 +83,9 @@ def test_decode_graph_replays_new_trees():
     ]
     for seed, (host_table, host_lens) in enumerate(cases, start=10):
         assert host_table.shape[1] <= width and int(host_table.max()) < num_blocks
-        host_table, host_lens, view = stage(host_table, host_lens, seed)
-        assert view.order.data_ptr() == ctx.order.data_ptr()  # same buffers as captured
+        host_table, host_lens, plan = stage(host_table, host_lens, seed)
+        assert plan.context.order.data_ptr() == captured.context.order.data_ptr()  # same buffers as captured
+        assert plan.work.items.data_ptr() == captured.work.items.data_ptr()
         graph.replay()
         torch.cuda.synchronize()
         rows = int((host_lens > 0).sum())

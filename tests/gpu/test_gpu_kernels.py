@@ -28,6 +28,7 @@ from vllm_chunkattn.testing.paged_cases import (
     random_kv_cache,
     shared_prefix,
 )
+from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.tree import prefix_tree
 
 pytestmark = requires_gpu
@@ -45,6 +46,13 @@ def _inputs(table, seq_lens, block_size, head_size, group, dtype, num_kv_heads=2
     return query, kv
 
 
+def _decode(query, kv, table, seq_lens, ctx, scale, out):
+    """Plan the step (as the builder does), then run it as one layer."""
+    plan = ops.plan_tpp_decode(DecodeShape.of_layer(query, kv), table, seq_lens, ctx)
+    assert plan.work is not None and plan.work.items.is_cuda
+    return ops.tpp_decode(query, kv, plan, scale, out)
+
+
 def _check(out, expected, dtype):
     out = out.float().cpu()
     assert torch.isfinite(out).all()
@@ -53,7 +61,7 @@ def _check(out, expected, dtype):
 
 def test_cuda_kernels_are_the_ones_running():
     cuda = torch.device("cuda")
-    for name in ("write_kv_cache", "tpp_decode", "paged_prefill"):
+    for name in ("write_kv_cache", "tpp_decode_plan", "tpp_decode", "paged_prefill"):
         assert ops._compiled(name, cuda) is not None, name
 
 
@@ -66,7 +74,7 @@ def test_decode_random_trees(dtype, head_size, block_size):
         ctx = prefix_tree(table, seq_lens, block_size)
         scale = 1 / math.sqrt(head_size)
         out = torch.empty_like(query, device="cuda")
-        ops.tpp_decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, scale, out)
+        _decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, scale, out)
         expected = reference.paged_attention(query, kv, torch.arange(len(seq_lens) + 1), seq_lens, table, scale)
         _check(out, expected, dtype)
 
@@ -79,7 +87,7 @@ def test_decode_paper_shape(dtype, shared):
     query, kv = _inputs(table, seq_lens, 64, 128, 1, dtype, num_kv_heads=4)
     ctx = prefix_tree(table, seq_lens, 64)
     out = torch.empty_like(query, device="cuda")
-    ops.tpp_decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.0884, out)
+    _decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.0884, out)
     expected = torch_fallback.tpp_decode(query.cuda().float(), kv.cuda().float(), table.cuda(), seq_lens.cuda(),
                                         ctx, 0.0884)
     _check(out, expected.cpu(), dtype)
@@ -95,7 +103,7 @@ def test_decode_multi_level_tree_in_graph_buffers(group):
     buffers = DeviceTreeBuffers(max_batch=96, max_nodes=95, max_partial_rows=4 * 96, device="cuda")
     ctx = buffers.load(prefix_tree(table, seq_lens, 32), batch=table.shape[0])
     out = torch.full_like(query, float("nan"), device="cuda")
-    ops.tpp_decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.1, out)
+    _decode(query.cuda(), kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.1, out)
     expected = reference.paged_attention(query[:48], kv, torch.arange(49), seq_lens[:48], table[:48], 0.1)
     _check(out[:48], expected, torch.bfloat16)
     assert int(out[48:].abs().sum()) == 0
@@ -109,7 +117,7 @@ def test_decode_strided_query_and_output():
     wide_out = torch.zeros(query.shape[0], query.shape[1] + 4, 128, dtype=torch.float16, device="cuda")
     out = wide_out[:, : query.shape[1]]
     ctx = prefix_tree(table, seq_lens, 16)
-    ops.tpp_decode(qkv[:, : query.shape[1]], kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.1, out)
+    _decode(qkv[:, : query.shape[1]], kv.cuda(), table.cuda(), seq_lens.cuda(), ctx, 0.1, out)
     expected = reference.paged_attention(query, kv, torch.arange(17), seq_lens, table, 0.1)
     _check(out, expected, torch.float16)
     assert int(wide_out[:, query.shape[1] :].abs().sum()) == 0

@@ -33,6 +33,7 @@ from vllm_chunkattn.kernels import ops, torch_fallback
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix import tree
 from vllm_chunkattn.testing import reference
+from vllm_chunkattn.prefix.plan import DecodeShape
 
 DTYPES = list(CPU.dtypes)
 HEAD_SIZES = list(CPU.head_sizes)
@@ -240,6 +241,12 @@ PER_COMBINATION = settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples 
 # Decode
 
 
+def _plan(case, ctx):
+    """The step's decode plan for the case's layer shape."""
+    shape = DecodeShape.of_layer(case["query"], case["kv_cache"])
+    return ops.plan_tpp_decode(shape, case["block_table"], case["seq_lens"], ctx)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
@@ -249,8 +256,8 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
     case = data.draw(decode_cases(dtypes=(dtype,), head_sizes=(head_size,)))
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     ref = _decode_reference(case)
-    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
-                                                  case["seq_lens"], ctx, case["scale"], out),
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx),
+                                                  case["scale"], out),
                   case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}")
 
 
@@ -287,8 +294,7 @@ def test_tpp_decode_one_big_shared_node(isa, threads, num_kv_heads, group):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
-                                                      case["seq_lens"], ctx, case["scale"], out),
+        assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), case["scale"], out),
                       case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
     finally:
         torch.set_num_threads(old)
@@ -302,8 +308,7 @@ def test_tpp_decode_all_context_shared(isa):
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
     assert ctx.shared_chunks.tolist() == [3] * 4
     ref = _decode_reference(case)
-    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"],
-                                                  case["seq_lens"], ctx, case["scale"], out),
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), case["scale"], out),
                   case["query"], 0, ref, case["dtype"], "tpp_decode")
 
 
@@ -311,8 +316,7 @@ def test_tpp_decode_rejects_unsupported_head_size():
     case = _one_big_node(batch=2, num_kv_heads=1, group=1, chunks=1, head_size=72)
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
     with pytest.raises(RuntimeError, match="head size 72 is not supported"):
-        ops.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx, 1.0,
-                       torch.empty_like(case["query"]))
+        ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), 1.0, torch.empty_like(case["query"]))
 
 
 # ---------------------------------------------------------------------------
@@ -437,9 +441,11 @@ def test_ops_have_fake_kernels():
     case = _one_big_node(batch=3, num_kv_heads=2, group=2, chunks=2, dtype=torch.float32)
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
     out = torch.empty_like(case["query"])
+    work = _plan(case, ctx).work
     args = (out, case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx.order, ctx.node_begin,
             ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end, ctx.node_partial_offset, ctx.shared_chunks,
-            ctx.row_partial_offsets, ctx.row_partials, ctx.num_partial_rows, case["scale"])
+            ctx.row_partial_offsets, ctx.row_partials, work.header, work.items, work.node_work, work.partial_work,
+            work.row_order, case["scale"])
     torch.library.opcheck(torch.ops.chunkattn.tpp_decode.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)

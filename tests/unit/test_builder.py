@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_chunkattn.backend import ChunkAttentionMetadataBuilder
 from vllm_chunkattn.backend.stats import DecodeTotals, format_run_summary, parse_run_summaries
+from vllm_chunkattn.testing.models import ensure_model
 
 BLOCK_SIZE = 32
 PADDING_ROWS = 2  # vLLM's block table tensor may have rows past the batch
@@ -38,7 +39,9 @@ PREFILLS = [Req([1, 6], 50, 20), Req([7, 8], 64, 64)]
 
 def make_builder() -> ChunkAttentionMetadataBuilder:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    config = VllmConfig(cache_config=CacheConfig(enable_prefix_caching=True))
+    # The embedded test model: 4 query heads of 64 over 2 KV heads, as in the spec.
+    config = VllmConfig(model_config=ModelConfig(model=ensure_model("tiny")),
+                        cache_config=CacheConfig(enable_prefix_caching=True))
     return ChunkAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
 
 
@@ -91,14 +94,15 @@ def test_mixed_batch_splits_decodes_from_prefills():
     assert meta.num_decodes == 3 and meta.num_decode_tokens == 3
     assert meta.num_actual_tokens == 3 + 20 + 64
     assert torch.equal(meta.slot_mapping, cm.slot_mapping)
-    assert torch.equal(meta.decode_block_table, cm.block_table_tensor[:3])
-    assert meta.decode_seq_lens.tolist() == [70, 80, 40]
+    plan = meta.decode_plan
+    assert torch.equal(plan.block_table, cm.block_table_tensor[:3])
+    assert plan.seq_lens.tolist() == [70, 80, 40]
     # The prefill queries start right after the decode tokens; rebased to 0.
     assert_prefills(meta, cm, PREFILLS, num_decodes=3)
     # The tree covers exactly the decode requests.
-    assert sorted(meta.tree.order.tolist()) == [0, 1, 2]
-    assert tree_nodes(meta.tree) == DECODE_NODES
-    assert meta.tree.shared_chunks.tolist() == [2, 2, 1]
+    assert sorted(plan.context.order.tolist()) == [0, 1, 2]
+    assert tree_nodes(plan.context) == DECODE_NODES
+    assert plan.context.shared_chunks.tolist() == [2, 2, 1]
 
 
 def test_pure_decode_batch():
@@ -106,8 +110,8 @@ def test_pure_decode_batch():
     cm = batch_metadata(DECODES)
     meta = builder.build(0, cm)
     assert meta.num_decodes == 3 and meta.num_decode_tokens == 3
-    assert meta.decode_seq_lens.tolist() == [70, 80, 40]
-    assert tree_nodes(meta.tree) == DECODE_NODES
+    assert meta.decode_plan.seq_lens.tolist() == [70, 80, 40]
+    assert tree_nodes(meta.decode_plan.context) == DECODE_NODES
     assert_prefills(meta, cm, [], num_decodes=3)
 
 
@@ -118,7 +122,7 @@ def test_pure_prefill_batch(leading_query_len):
     cm = batch_metadata(prefills)
     meta = builder.build(0, cm)
     assert meta.num_decodes == 0 and meta.num_decode_tokens == 0
-    assert meta.tree is None and meta.decode_seq_lens.numel() == 0
+    assert meta.decode_plan is None
     assert_prefills(meta, cm, prefills, num_decodes=0)
     assert builder.stats.run.steps == 0  # no decode step to report
 

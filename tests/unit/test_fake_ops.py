@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_chunkattn.kernels import fake_ops, ops
+from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.tree import prefix_tree
 from vllm_chunkattn.testing.paged_cases import num_blocks_needed, random_kv_cache, shared_prefix
 
@@ -46,9 +47,12 @@ def _decode_args(dtype=torch.float32, head_size=64):
     kv_cache = random_kv_cache(num_blocks_needed(table), num_kv_heads, block_size, head_size, dtype, generator=gen)
     query = torch.randn(table.shape[0], num_kv_heads * group, head_size, generator=gen).to(dtype)
     out = torch.empty_like(query)
+    plan = ops.plan_tpp_decode(DecodeShape.of_layer(query, kv_cache), table, seq_lens, ctx)
+    work = plan.work
     arrays = (ctx.order, ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end,
               ctx.node_partial_offset, ctx.shared_chunks, ctx.row_partial_offsets, ctx.row_partials)
-    return (out, query, kv_cache, table, seq_lens, *arrays, ctx.num_partial_rows, 1 / math.sqrt(head_size))
+    return (out, query, kv_cache, table, seq_lens, *arrays, work.header, work.items, work.node_work,
+            work.partial_work, work.row_order, 1 / math.sqrt(head_size))
 
 
 def _prefill_args(dtype=torch.float32, head_size=64):
@@ -78,6 +82,8 @@ def _merge_args(dtype=torch.float32, with_output_lse=True):
     return (torch.empty(tokens, heads, head_size, dtype=dtype), parts[0], lses[0], parts[1], lses[1], output_lse, 3)
 
 
+# tpp_decode_plan is not here: it runs in the metadata builder, outside traced graphs,
+# and sizes its outputs from the tree's values, which a fake cannot know.
 CASES = {
     "write_kv_cache": _write_kv_args,
     "tpp_decode": _decode_args,

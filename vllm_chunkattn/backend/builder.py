@@ -1,11 +1,13 @@
-"""Per step: the metadata builder, which splits the batch and derives the prefix tree.
+"""Per step: the metadata builder, which splits the batch and plans the decode step.
 
 The builder splits the batch into decode requests (one new token) and
 prefill requests (many: prefill, chunked prefill, prefill after a
-prefix-cache hit), and derives the prefix tree of the decode requests from
-their block tables (prefix/tree.py, cached across steps). On CUDA the tree
-context goes to fixed-capacity device buffers (prefix/device_buffers.py), so
-pure-decode batches run under vLLM's full CUDA graphs.
+prefix-cache hit), derives the prefix tree of the decode requests from
+their block tables (prefix/tree.py, cached across steps) and builds the
+step's decode plan (prefix/plan.py) once, for every layer to run. On CUDA
+the tree context and the plan live in fixed-capacity device buffers
+(prefix/device_buffers.py, DecodeWork), so pure-decode batches run under
+vLLM's full CUDA graphs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from vllm_chunkattn.backend.stats import DecodeStats, logger
 from vllm_chunkattn.kernels import ops
 from vllm_chunkattn.kernels.support import CUDA, for_platform, names
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
-from vllm_chunkattn.prefix.tree import PrefixTreeCache, PrefixTreeContext
+from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
+from vllm_chunkattn.prefix.tree import PrefixTreeCache
 
 # Capacity of the device tree context per decode request slot: partial-result
 # rows (sum over shared nodes of the requests each covers). A deeper tree is
@@ -43,9 +46,7 @@ class ChunkAttentionMetadata:
     # Decode requests come first in the batch (reorder_batch_threshold = 1).
     num_decodes: int
     num_decode_tokens: int
-    decode_block_table: torch.Tensor
-    decode_seq_lens: torch.Tensor
-    tree: PrefixTreeContext | None
+    decode_plan: DecodePlan | None  # for every layer of the KV-cache group; None without decodes
     # Prefill requests follow; their query rows start at num_decode_tokens.
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1], rebased to 0
     prefill_seq_lens: torch.Tensor
@@ -59,15 +60,17 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
         """UNIFORM_SINGLE_TOKEN_DECODE with the CUDA kernels: pure-decode batches
-        may replay full CUDA graphs, because the decode launches (KV write, TPP
-        plan / attend / merge) size their grids and workspace from shapes
+        may replay full CUDA graphs, because the decode launches of a layer (KV
+        write, TPP attend / merge) size their grids and workspace from shapes
         only, read every value (block tables, sequence lengths, the tree
-        context) from device buffers that stay in place (vLLM's persistent
-        inputs, DeviceTreeBuffers here, refreshed by in-place copies in
-        build()), and the Python forward takes no data-dependent branch within
-        a pure-decode batch. Batches with prefills are not captured: the
-        forward's decode/prefill split is fixed at capture. NEVER otherwise:
-        the PyTorch fallback reads the tree on the host."""
+        context, the step's plan) from device buffers that stay in place
+        (vLLM's persistent inputs; DeviceTreeBuffers and the plan's DecodeWork
+        here, refreshed in place by build(), whose TPP plan kernel runs on the
+        stream before the replay), and the Python forward takes no
+        data-dependent branch within a pure-decode batch. Batches with
+        prefills are not captured: the forward's decode/prefill split is fixed
+        at capture. NEVER otherwise: the PyTorch fallback reads the tree on
+        the host."""
         dtype = getattr(kv_cache_spec, "dtype", None)
         if current_platform.is_cuda() and ops.cuda_kernels_available() and dtype in CUDA.dtypes:
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -82,6 +85,16 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # One shape for all layers of the group (vLLM groups layers by KV-cache
+        # spec; the query heads are the model's): each layer checks it
+        # against the plan (DecodePlan.check_layer).
+        self.decode_shape = DecodeShape(
+            num_heads=vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
+            num_kv_heads=kv_cache_spec.num_kv_heads,
+            head_size=kv_cache_spec.head_size,
+            block_size=self.block_size,
+            dtype=kv_cache_spec.dtype,
+        )
         on_cuda = torch.device(device).type == "cuda"
         block_sizes = for_platform(on_cuda).block_sizes
         if self.block_size not in block_sizes:
@@ -92,6 +105,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         # On CUDA with the compiled kernels, the decode context goes to fixed-
         # capacity device buffers (CUDA-graph safe); else it stays on the host.
         self.device_tree: DeviceTreeBuffers | None = None
+        self.device_work: DecodeWork | None = None
         if on_cuda and ops.cuda_kernels_available() and kv_cache_spec.dtype in CUDA.dtypes:
             max_batch = max(
                 vllm_config.scheduler_config.max_num_seqs,
@@ -103,6 +117,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 max_partial_rows=CUDA_PARTIAL_ROWS_PER_REQUEST * max_batch,
                 device=device,
             )
+            self.device_work = DecodeWork.empty(device)
             logger.info_once(
                 "%s attention on the CUDA kernels (vllm_chunkattn._C_cuda); CUDA graphs: "
                 "UNIFORM_SINGLE_TOKEN_DECODE (pure-decode batches); tree context capacity: "
@@ -132,33 +147,62 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         )
         num_reqs = num_decodes + num_prefills
         block_table = cm.block_table_tensor[:num_reqs]
-        seq_lens = cm.seq_lens[:num_reqs].cpu()
-        decode_block_table = block_table[:num_decodes]
-        decode_seq_lens = seq_lens[:num_decodes]
-        tree = None
+        host_seq_lens = _host_seq_lens(cm, num_reqs)
+        on_device = cm.seq_lens.device.type != "cpu"
+        decode_plan = None
         if num_decodes:
-            tree = self.tree_cache.get(decode_block_table.cpu(), decode_seq_lens, self.block_size)
-            self.stats.record(tree, decode_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
-        if self.device_tree is not None:
-            # CUDA kernels: every input on the device, the tree in the fixed
-            # buffers (copied only when it changed), the rest vLLM's own
-            # persistent device tensors, so a captured decode graph reads this
-            # step's values on replay.
-            if tree is not None:
-                tree = self.device_tree.load(tree, num_decodes)
+            decode_plan = self._plan_decodes(
+                block_table[:num_decodes], cm.seq_lens[:num_decodes], host_seq_lens[:num_decodes]
+            )
+        if on_device:
+            # vLLM's own persistent device tensors, so that a captured decode
+            # graph reads this step's values on replay.
             seq_lens, query_start_loc = cm.seq_lens[:num_reqs], cm.query_start_loc
         else:
-            query_start_loc = cm.query_start_loc_cpu
+            seq_lens, query_start_loc = host_seq_lens, cm.query_start_loc_cpu
         qsl = query_start_loc[num_decodes : num_reqs + 1]
         return ChunkAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
-            decode_block_table=decode_block_table,
-            decode_seq_lens=seq_lens[:num_decodes],
-            tree=tree,
+            decode_plan=decode_plan,
             prefill_query_start_loc=(qsl - qsl[:1]).to(torch.int32),
             prefill_seq_lens=seq_lens[num_decodes:],
             prefill_block_table=block_table[num_decodes:],
         )
+
+    def _plan_decodes(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, host_seq_lens: torch.Tensor
+    ) -> DecodePlan:
+        """The decode requests' tree (from host copies) and the step's plan."""
+        if block_table.device.type == "cpu":
+            host_table = block_table
+        else:
+            # The tree needs the block ids on the host, and vLLM keeps its host
+            # copy of the block table (the runner's BlockTable) out of the
+            # builder's reach: CommonAttentionMetadata carries only the device
+            # tensor. So this is the step's one device-to-host copy, cut to the
+            # columns of full chunks, the only ones the tree reads.
+            full_chunks = int(host_seq_lens.max()) // self.block_size
+            host_table = block_table[:, :full_chunks].cpu()
+        tree = self.tree_cache.get(host_table, host_seq_lens, self.block_size)
+        self.stats.record(tree, host_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
+        if self.device_tree is not None:
+            # CUDA kernels: the tree in the fixed buffers (copied only when it
+            # changed), the plan into the fixed DecodeWork by the plan kernel.
+            context = self.device_tree.load(tree, len(host_seq_lens))
+            return ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, context, self.device_work)
+        return ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, tree)
+
+
+def _host_seq_lens(cm: CommonAttentionMetadata, num_reqs: int) -> torch.Tensor:
+    """The requests' sequence lengths on the host, without a device-to-host copy
+    where vLLM provides them: its GPU runner passes seq_lens_cpu_upper_bound,
+    exact for every row except under asynchronous speculative decoding, which
+    this backend does not serve (its decode rows have one token)."""
+    if cm.seq_lens.device.type == "cpu":
+        return cm.seq_lens[:num_reqs]
+    if cm.seq_lens_cpu_upper_bound is not None:
+        return cm.seq_lens_cpu_upper_bound[:num_reqs]
+    return cm.seq_lens[:num_reqs].cpu()  # a caller that gives no host copy

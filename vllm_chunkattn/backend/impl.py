@@ -98,15 +98,7 @@ class ChunkAttentionImpl(AttentionImpl):
             # requests of no tokens, num_decode_tokens may be smaller; their
             # rows are padding the kernels fill with zeros.
             num_decodes = md.num_decodes
-            ops.tpp_decode(
-                query[:num_decodes],
-                kv_cache,
-                md.decode_block_table,
-                md.decode_seq_lens,
-                md.tree,
-                self.scale,
-                output[:num_decodes],
-            )
+            ops.tpp_decode(query[:num_decodes], kv_cache, md.decode_plan, self.scale, output[:num_decodes])
         if md.prefill_seq_lens.numel():
             ops.paged_prefill(
                 query[num_decode_tokens : md.num_actual_tokens],

@@ -11,9 +11,10 @@ tensors, for:
     Naive       matmul-softmax-matmul on dense [b, h, n, d] tensors
     SDPA        torch.nn.functional.scaled_dot_product_attention, same dense tensors
 
-plus the prefix-tree context cost of ours, measured apart from the kernel:
+plus the per-step costs of ours, measured apart from the layer's kernel:
 `rebuild` (tree.prefix_tree from the block tables, paid when the tree
-changes) and `lookup` (PrefixTreeCache.get when it did not, paid every step).
+changes), `lookup` (PrefixTreeCache.get when it did not) and `plan`
+(ops.plan_tpp_decode), both paid once per step for all layers.
 
 Correctness gate: before any timing, every implementation's output at a
 point is compared with ours (bench/agreement.py, one tolerance per dtype);
@@ -91,6 +92,7 @@ import torch.nn.functional as F
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix import tree
 
@@ -423,9 +425,12 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
     ctx_cache = tree.PrefixTreeCache()
     ctx = ctx_cache.get(shared_table, seq_lens, w.chunk)
     ours_out = torch.empty_like(query)
+    # The plan is built once per engine step for all layers; its cost is reported apart ("decode plan").
+    shape = DecodeShape.of_layer(query, cache)
+    plan = ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx)
 
     def ours() -> torch.Tensor:
-        ops.tpp_decode(query, cache, shared_table, seq_lens, ctx, scale, ours_out)
+        ops.tpp_decode(query, cache, plan, scale, ours_out)
         return ours_out
 
     candidates.append(Candidate("ours", ours, repeats, timed="ours" in impls))
@@ -493,6 +498,8 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
     if not result.disagreements:
         result.times["tree rebuild"] = measure(lambda: tree.prefix_tree(shared_table, seq_lens, w.chunk), repeats, 1)
         result.times["tree lookup"] = measure(lambda: ctx_cache.get(shared_table, seq_lens, w.chunk), repeats, 1)
+        result.times["decode plan"] = measure(lambda: ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx),
+                                              repeats, 1)
     del candidates, cache
     gc.collect()
     return result
@@ -598,6 +605,7 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
     head = ["n_p", "n_s", "n_c", "batch", "tokens:requests sharing them"] + [f"{i} ms" for i in impls] + ["roofline ms"]
     ratios = [f"{i}/ours" for i in impls if i != "ours"]
     head += ratios + ["ours/roofline", "bound by", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)",
+                      "plan ms (% step)",
                       "max|Δ| vs ours"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -614,7 +622,7 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
         cells.append(f"{ours / bound.bound_ms:.2f}" if ours else "-")
         cells.append(bound.bound_by)
         cells.append(f"{w.batch / (ours / 1e3):.0f}" if ours else "-")
-        for key in ("tree rebuild", "tree lookup"):
+        for key in ("tree rebuild", "tree lookup", "decode plan"):
             t = median[key]
             cells.append(f"{t:.3f} ({100 * t / ours:.1f}%)" if ours else f"{t:.3f}")
         cells.append(", ".join(f"{k} {v:.1e}" for k, v in r["diffs"].items()) or "-")

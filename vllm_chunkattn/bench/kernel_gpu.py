@@ -60,6 +60,7 @@ from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.tree import context_from_nodes
 from vllm_chunkattn.testing.paged_cases import multi_level, num_blocks_needed, shared_prefix
+from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 
 METHODS = ["chunk", "chunk_no_tree", "fa_shared", "fa_unshared", "flashinfer", "xformers", "sdpa"]
@@ -273,8 +274,10 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
     def chunk_fn(tree: PrefixTreeContext) -> Callable[[], torch.Tensor]:
         buffers = DeviceTreeBuffers(batch, max(tree.num_nodes, 1), max(tree.num_partial_rows, 1), device)
         view = buffers.load(tree, batch)
+        # Planned once, as the builder does per step; the timed call is one layer's.
+        plan = ops.plan_tpp_decode(DecodeShape.of_layer(query, kv), table_d, lens_d, view)
         out = torch.empty_like(query)
-        return lambda: ops.tpp_decode(query, kv, table_d, lens_d, view, scale, out)
+        return lambda: ops.tpp_decode(query, kv, plan, scale, out)
 
     if "chunk" in s.methods:
         fns["chunk"] = chunk_fn(ctx)

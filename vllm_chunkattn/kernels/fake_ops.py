@@ -29,9 +29,18 @@ def _fake_write_kv_cache(key, value, kv_cache, slot_mapping) -> None:
     torch._check(kv_cache.dtype == key.dtype, lambda: "key/value dtype must match the kv cache dtype")
 
 
+def _fake_tpp_decode_plan(plan_header, plan_items, plan_node_work, plan_partial_work, plan_row_order, block_table,
+                          seq_lens, order, node_begin, node_end, node_chunk_begin, node_chunk_end,
+                          node_partial_offset, shared_chunks, row_partial_offsets, row_partials, num_partial_rows,
+                          num_heads, num_kv_heads, head_size, block_size, dtype) -> None:
+    # Runs in the metadata builder, outside any traced graph; the plan's sizes
+    # depend on the tree's values, so a fake cannot give them.
+    torch._check(num_heads % num_kv_heads == 0, lambda: "num_heads must be a multiple of num_kv_heads")
+
+
 def _fake_tpp_decode(out, query, kv_cache, block_table, seq_lens, order, node_begin, node_end, node_chunk_begin,
                      node_chunk_end, node_partial_offset, shared_chunks, row_partial_offsets, row_partials,
-                     num_partial_rows, scale) -> None:
+                     plan_header, plan_items, plan_node_work, plan_partial_work, plan_row_order, scale) -> None:
     torch._check(query.dim() == 3, lambda: "query must be [batch, num_heads, head_size]")
     _check_same(out, query, "out")
 
@@ -55,6 +64,7 @@ def _fake_merge_attn_states(output, prefix_output, prefix_lse, suffix_output, su
 
 FAKES = {
     "write_kv_cache": _fake_write_kv_cache,
+    "tpp_decode_plan": _fake_tpp_decode_plan,
     "tpp_decode": _fake_tpp_decode,
     "paged_prefill": _fake_paged_prefill,
     "merge_attn_states": _fake_merge_attn_states,

@@ -10,6 +10,7 @@ against `reference.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -18,6 +19,7 @@ import vllm_chunkattn._C  # noqa: F401  (defines torch.ops.chunkattn.* and regis
 from vllm_chunkattn.kernels import fake_ops  # noqa: F401  (fake kernels for torch.compile)
 from vllm_chunkattn.kernels import support
 from vllm_chunkattn.kernels import torch_fallback
+from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
 from vllm_chunkattn.prefix.tree import PrefixTreeContext
 
 try:  # after _C: the CUDA library only adds kernels to the schemas defined there
@@ -58,32 +60,63 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     kernel(key, value, kv_cache, slot_mapping)
 
 
-def tpp_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
+# The tree context's arrays, in the order of the ops' schemas (csrc/cpu/registration.cpp).
+_CONTEXT_ARRAYS = (
+    "order", "node_begin", "node_end", "node_chunk_begin", "node_chunk_end", "node_partial_offset",
+    "shared_chunks", "row_partial_offsets", "row_partials",
+)
+
+
+def _context_arrays(ctx: PrefixTreeContext) -> list[torch.Tensor]:
+    return [getattr(ctx, name) for name in _CONTEXT_ARRAYS]
+
+
+def plan_tpp_decode(
+    shape: DecodeShape,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     ctx: PrefixTreeContext,
+    work: DecodeWork | None = None,
+) -> DecodePlan:
+    """The plan of one decode step (prefix/plan.py), for every layer of `shape`.
+
+    block_table [B, max_blocks], seq_lens [B] and ctx's arrays on the device
+    the layers run on (CPU arrays are copied to a CUDA block table's device).
+    The context is validated here, once per step (CPU). `work`: tensors to
+    fill (on CUDA the builder's fixed buffers); new ones when None."""
+    device = block_table.device
+    kernel = _compiled("tpp_decode_plan", device)
+    if device.type == "cuda":
+        ctx = dataclasses.replace(ctx, **{name: _on(getattr(ctx, name), device) for name in _CONTEXT_ARRAYS})
+        seq_lens = _on(seq_lens, device)
+    if kernel is None or (device.type == "cuda" and shape.dtype not in support.CUDA.dtypes):
+        return DecodePlan(shape=shape, block_table=block_table, seq_lens=seq_lens, context=ctx, work=None)
+    work = work or DecodeWork.empty(device)
+    kernel(
+        work.header, work.items, work.node_work, work.partial_work, work.row_order, block_table, seq_lens,
+        *_context_arrays(ctx), ctx.num_partial_rows, shape.num_heads, shape.num_kv_heads, shape.head_size,
+        shape.block_size, shape.dtype,
+    )
+    return DecodePlan(shape=shape, block_table=block_table, seq_lens=seq_lens, context=ctx, work=work)
+
+
+def tpp_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: DecodePlan,
     scale: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Two-phase-partition decode: query/out [B, num_heads, head_size].
-
-    On CUDA the context arrays are read on the device (the backend keeps them
-    in fixed-capacity device buffers, vllm_chunkattn/device_context.py; other
-    callers' CPU arrays are copied over)."""
-    device = query.device
-    kernel = _compiled("tpp_decode", device)
-    if kernel is None or (device.type == "cuda" and query.dtype not in support.CUDA.dtypes):
-        return torch_fallback.tpp_decode(query, kv_cache, block_table, seq_lens, ctx, scale, out)
-    arrays = [
-        ctx.order, ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end,
-        ctx.node_partial_offset, ctx.shared_chunks, ctx.row_partial_offsets, ctx.row_partials,
-    ]
-    if device.type == "cuda":
-        arrays = [_on(a, device) for a in arrays]
-        block_table, seq_lens = _on(block_table, device), _on(seq_lens, device)
-    kernel(out, query, kv_cache, block_table, seq_lens, *arrays, ctx.num_partial_rows, scale)
+    """Two-phase-partition decode of one layer: query/out [B, num_heads, head_size],
+    running the step's `plan` (plan_tpp_decode), which must be for this layer's shape."""
+    plan.check_layer(query, kv_cache)
+    if plan.work is None:
+        return torch_fallback.tpp_decode(query, kv_cache, plan.block_table, plan.seq_lens, plan.context, scale, out)
+    work = plan.work
+    torch.ops.chunkattn.tpp_decode(
+        out, query, kv_cache, plan.block_table, plan.seq_lens, *_context_arrays(plan.context), work.header,
+        work.items, work.node_work, work.partial_work, work.row_order, scale,
+    )
     return out
 
 

@@ -73,7 +73,9 @@ extern "C" const char* emu_write_kv_cache(const void* key, const void* value, vo
   return result(nullptr);
 }
 
-// strides: out row, out head, query row, query head, cache block, cache head, block table row
+// strides: out row, out head, query row, query head, cache block, cache head, block table row.
+// Plans once, then runs the plan `layers` times (as the layers of one step do),
+// each run with a fresh workspace of NaN bytes.
 extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, const void* kv_cache,
                                       const int* block_table, const int* seq_lens, const int* order,
                                       const int* node_begin, const int* node_end, const int* node_chunk_begin,
@@ -81,7 +83,8 @@ extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, co
                                       const int* shared_chunks, const int* row_partial_offsets,
                                       const int* row_partials, int batch, int num_heads, int num_kv_heads,
                                       int head_size, int block_size, int num_nodes, int num_partial_rows,
-                                      float scale, const int64_t* strides, int num_sms, int blocks_per_sm) {
+                                      float scale, const int64_t* strides, int num_sms, int blocks_per_sm,
+                                      int layers) {
   configure(num_sms, blocks_per_sm);
   try {
     chunkattn::cuda::DecodeArgs a{};
@@ -115,8 +118,19 @@ extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, co
     a.cache_stride_block = strides[4];
     a.cache_stride_head = strides[5];
     a.block_table_stride = strides[6];
-    std::vector<unsigned char> workspace(chunkattn::cuda::tpp_decode_workspace_bytes(a), 0xFF);
-    chunkattn::cuda::launch_tpp_decode(a, workspace.data(), nullptr);
+    const chunkattn::cuda::DecodeSizes sizes = chunkattn::cuda::tpp_decode_sizes(a);
+    // Plan rows start as huge indices: reading a row the plan kernel did not
+    // write goes far out of bounds (AddressSanitizer builds report it).
+    constexpr int kGarbage = 0x7F7F7F7F;
+    std::vector<int> items((static_cast<size_t>(sizes.item_capacity) + 1) * 4, kGarbage);
+    std::vector<int> node_work(static_cast<size_t>(num_nodes) * 4, kGarbage);
+    std::vector<int> partial_work(static_cast<size_t>(num_partial_rows) * 4, kGarbage);
+    const chunkattn::cuda::DecodePlanBuffers plan{items.data(), node_work.data(), partial_work.data()};
+    chunkattn::cuda::launch_tpp_decode_plan(a, plan, nullptr);
+    for (int layer = 0; layer < layers; ++layer) {
+      std::vector<unsigned char> workspace(sizes.workspace_bytes, 0xFF);
+      chunkattn::cuda::launch_tpp_decode(a, plan, workspace.data(), nullptr);
+    }
   } catch (const std::exception& e) {
     return result(&e);
   }
