@@ -66,5 +66,5 @@ else
 fi
 
 echo "== tests that use the CUDA build without a GPU"
-(cd "$SRC" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_cuda_config.py tests/test_fake_ops.py \
-  tests/test_kernel_gpu_bench.py tests/test_cuda_toolkit.py tests/gpu)
+(cd "$SRC" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_config.py tests/unit/test_fake_ops.py \
+  tests/cuda/test_kernel_gpu_bench.py tests/cuda/test_cuda_toolkit.py tests/gpu)

@@ -10,7 +10,7 @@ linked, nothing runs.
 
 Prints a markdown table of registers, spills, static and dynamic shared
 memory per kernel and architecture (from ptxas; dynamic shared memory from
-the tile layout of csrc/cuda/attention.cuh, which tests/test_cuda_emulated.py
+the tile layout of csrc/cuda/attention.cuh, which tests/cuda/test_cuda_emulated.py
 checks against the compiled constant), writes it to
 build/cuda_compile/ptxas.md, and exits non-zero on any compile error.
 

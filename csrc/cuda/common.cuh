@@ -16,7 +16,7 @@
 #include "cuda/launch.h"  // first: under the emulator it defines __host__/__device__ for what follows
 #include "common/partial_state.h"
 
-// Kernel launch that the CPU emulator (tests/emulator, CHUNKATTN_EMULATE) can
+// Kernel launch that the CPU emulator (tests/cuda/emulator, CHUNKATTN_EMULATE) can
 // also run; `kernel` must be a single token (use a local alias for templates).
 #ifndef CHUNKATTN_EMULATE
 #define CHUNKATTN_LAUNCH(kernel, grid, block, smem, stream, ...) \
@@ -91,7 +91,7 @@ struct Float16<__nv_bfloat16> {
   __device__ static __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
-#ifndef CHUNKATTN_EMULATE  // the emulator provides these (tests/emulator/simt_emulator.h)
+#ifndef CHUNKATTN_EMULATE  // the emulator provides these (tests/cuda/emulator/simt_emulator.h)
 // ------------------------------------------------------------ tensor cores
 // D = A * B + D for A 16x16 (row major), B 16x8 (column major), D 16x8 fp32.
 // Fragment layouts (PTX ISA, "mma.m16n8k16"), with g = lane / 4, t = lane % 4:

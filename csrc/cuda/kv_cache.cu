@@ -1,5 +1,5 @@
 // KV-cache write on CUDA: key/value rows of the new tokens into their slots of
-// the backend's paged layout. Same semantics as torch_kernels.write_kv_cache.
+// the backend's paged layout. Same semantics as torch_fallback.write_kv_cache.
 //
 // Layouts
 //   key, value    [num_tokens, num_kv_heads, head_size] (token/head strides free,

@@ -12,7 +12,7 @@
 #pragma once
 
 #ifdef CHUNKATTN_EMULATE
-#include "simt_emulator.h"  // tests/emulator: run the kernels on the CPU
+#include "simt_emulator.h"  // tests/cuda/emulator: run the kernels on the CPU
 #else
 #include <cuda_runtime.h>
 #endif
@@ -49,7 +49,7 @@ void launch_write_kv_cache(const KvWriteArgs& args, cudaStream_t stream);
 
 // -------------------------------------------------------------- TPP decode
 // Arrays are int32 on the device, with the meaning of PrefixTreeContext
-// (vllm_chunkattn/tree.py). Under CUDA graphs the node arrays may be padded
+// (vllm_chunkattn/prefix/tree.py). Under CUDA graphs the node arrays may be padded
 // with empty nodes (node_begin == node_end) and num_partial_rows may be a
 // capacity larger than the rows in use; nothing below depends on the values.
 struct DecodeArgs {

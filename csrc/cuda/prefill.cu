@@ -1,6 +1,6 @@
 // Paged prefill on CUDA: causal attention of each request's new tokens over
 // its whole paged context (prefill, chunked prefill, prefill after a
-// prefix-cache hit alike). Same semantics as torch_kernels.paged_prefill.
+// prefix-cache hit alike). Same semantics as torch_fallback.paged_prefill.
 //
 // Layouts
 //   query, out       [num_tokens, num_heads, head_size] fp16/bf16 (rows 16-byte aligned)

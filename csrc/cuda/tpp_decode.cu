@@ -1,6 +1,6 @@
 // Two-phase-partition (TPP) decode attention on CUDA: ChunkAttention
 // section 3.2, over the prefix tree recovered from vLLM's block tables
-// (vllm_chunkattn/tree.py). Same semantics as torch_kernels.tpp_decode.
+// (vllm_chunkattn/prefix/tree.py). Same semantics as torch_fallback.tpp_decode.
 //
 // Layouts
 //   query, out   [batch, num_heads, head_size]  fp16/bf16, rows 16-byte aligned

@@ -1,5 +1,5 @@
 """The CUDA kernels (csrc/cuda/*.cu), executed on the CPU by a SIMT emulator
-(tests/emulator), against the reference on random prefix trees.
+(tests/cuda/emulator), against the reference on random prefix trees.
 
 No GPU is needed: the exact kernel source is compiled as C++ with
 -DCHUNKATTN_EMULATE, which swaps the device intrinsics (mma.sync, ldmatrix,

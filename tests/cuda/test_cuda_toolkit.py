@@ -1,5 +1,5 @@
 """How the build finds the CUDA toolkit and picks GPU architectures
-(vllm_chunkattn/cuda_toolkit.py, used by setup.py); no GPU or CUDA torch needed."""
+(vllm_chunkattn/install/cuda_toolkit.py, used by setup.py); no GPU or CUDA torch needed."""
 
 from __future__ import annotations
 

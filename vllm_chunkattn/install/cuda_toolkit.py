@@ -1,7 +1,7 @@
 """Where the CUDA toolkit is, and which GPU architectures to build for.
 
 Used by setup.py (the `_C_cuda` build), scripts/check_cuda_compile.py and
-tests/emulator/build.py. Imports nothing beyond the standard library, so
+tests/cuda/emulator/build.py. Imports nothing beyond the standard library, so
 setup.py can load it before torch.
 
 Toolkit: torch.utils.cpp_extension takes CUDA_HOME from the environment, else

@@ -1,15 +1,15 @@
 """Builds the CPU-emulated CUDA kernels (csrc/cuda/*.cu compiled as C++ with
--DCHUNKATTN_EMULATE against tests/emulator/simt_emulator.h) into a shared
+-DCHUNKATTN_EMULATE against tests/cuda/emulator/simt_emulator.h) into a shared
 library and loads it with ctypes. Needs g++ and the CUDA headers (cuda_fp16.h,
 cuda_bf16.h, cuda_runtime_api.h; no GPU, no CUDA runtime library).
 
-    python tests/emulator/build.py      # builds, prints the library path
+    python tests/cuda/emulator/build.py # builds, prints the library path
 
 With CHUNKATTN_EMU_SANITIZE=1 the library is built with AddressSanitizer;
 run the tests with it preloaded to catch out-of-bounds accesses by the kernels:
 
     CHUNKATTN_EMU_SANITIZE=1 LD_PRELOAD=$(g++ -print-file-name=libasan.so) \
-    ASAN_OPTIONS=detect_leaks=0:log_path=/tmp/asan pytest tests/test_cuda_emulated.py
+    ASAN_OPTIONS=detect_leaks=0:log_path=/tmp/asan pytest tests/cuda/test_cuda_emulated.py
 
 (a report from inside a kernel fiber ends the process with exit code 1; read
 it in /tmp/asan.*).

@@ -1,4 +1,4 @@
-// C entry points of the emulated CUDA kernels, for ctypes (tests/test_cuda_emulated.py).
+// C entry points of the emulated CUDA kernels, for ctypes (tests/cuda/test_cuda_emulated.py).
 // The kernels are csrc/cuda/*.cu compiled as C++ with -DCHUNKATTN_EMULATE
 // (simt_emulator.h replaces the CUDA device intrinsics), linked with this file.
 // Device memory is host memory here; the workspace is filled with 0xFF bytes

@@ -1,5 +1,5 @@
 // A small CPU emulator of the part of CUDA that csrc/cuda uses, so that the
-// exact kernel source runs on a machine without a GPU (tests/test_cuda_emulated.py).
+// exact kernel source runs on a machine without a GPU (tests/cuda/test_cuda_emulated.py).
 //
 // Each thread block runs as cooperative fibers (ucontext), one per CUDA
 // thread, on one OS thread. A fiber runs until it reaches a block barrier
