@@ -33,7 +33,12 @@ def test_kernel_benchmark_quick(tmp_path):
     assert "PagedAttn*" in table and "ours" in table
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["machine"]["cpu_identity"] in table and table.index("CPU: ") < table.index("## table3")
-    assert set(results["machine_rates"]) == {"start", "end"}
+    assert set(results["machine_rates"]) == {"start", "end", "bandwidth_samples_gbps"}
+    assert len(results["machine_rates"]["bandwidth_samples_gbps"]) == 16  # one before each point
+    roofline_bandwidth = max([results["machine_rates"]["start"]["read_bandwidth_gbps"],
+                              results["machine_rates"]["end"]["read_bandwidth_gbps"],
+                              *results["machine_rates"]["bandwidth_samples_gbps"]])
+    assert all(r["bandwidth_gbps"] == roofline_bandwidth for r in results["records"] if r["impl"] == "roofline")
     assert results["disagreements"] == []
     records = results["records"]
     assert {r["impl"] for r in records} >= {"ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA", "roofline"}

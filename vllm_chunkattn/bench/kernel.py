@@ -764,7 +764,8 @@ def point_roofline(point: Workload | PrefillPoint, rates: list[machine.MachineRa
 
 
 def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rates: list[machine.MachineRates],
-                  failures: list[agreement.Disagreement], below: list[str], others: list[str]) -> list[str]:
+                  bandwidth_samples: list[machine.MachineRates], failures: list[agreement.Disagreement],
+                  below: list[str], others: list[str]) -> list[str]:
     lines = ["# Decode attention kernel benchmark (one layer, one step)", ""]
     if failures:
         lines += ["**THIS RUN FAILED: implementations disagree beyond the tolerance "
@@ -773,10 +774,15 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
     lines += [machine.describe_line(machine_record), "", machine.IDENTITY_LINE.format(machine_record["cpu_identity"]),
               "", *machine.other_cpu_warning(others)]
     lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
+    if bandwidth_samples:
+        sampled = [s.read_bandwidth_gbps for s in bandwidth_samples]
+        lines += [f"- Read bandwidth sampled before each of the {len(sampled)} points: {min(sampled):.1f} to "
+                  f"{max(sampled):.1f} GB/s"]
     unmeasured = machine.unmeasured_instructions(machine_record)
     lines += [
         "",
-        "Roofline of a point: max(bytes / the higher of the two bandwidths, flops / the highest peak of a loop "
+        "Roofline of a point: max(bytes / the highest bandwidth measured in the run (start, end and every "
+        "sample), flops / the highest peak of a loop "
         "that computes the dtype: fp32 " + ", ".join(machine.PEAK_LOOPS_BY_DTYPE["fp32"]) + "; bf16 "
         + ", ".join(machine.PEAK_LOOPS_BY_DTYPE["bf16"]) + "), bytes = distinct KV bytes of the step"
         + (" (all of them: the caches are flushed before each call)" if env["flush_cache"]
@@ -869,9 +875,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[tuple[PlannedPoint, PointResult]] = []
     failures: list[agreement.Disagreement] = []
     start = time.time()
+    bandwidth_samples: list[machine.MachineRates] = []
     for planned_point in planned:
         progress.point(planned_point.label())
         p = planned_point.point
+        bandwidth_samples.append(machine.sample_bandwidth(threads, machine_record, args.quick))
         if isinstance(p, PrefillPoint):
             result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
         else:
@@ -895,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
     below: list[str] = []
     for planned_point, result in results:
         p = planned_point.point
-        bound = point_roofline(p, rates, not args.warm, machine_record)
+        bound = point_roofline(p, rates + bandwidth_samples, not args.warm, machine_record)
         if isinstance(p, PrefillPoint):
             base = dict(grid="prefill", n_p=p.context, n_s=0, n_c=p.new, batch=p.requests, heads=p.heads,
                         head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype)
@@ -929,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: below the roofline: {line}", flush=True)
 
     shown = [i for i in IMPLS if i in impls]
-    sections = report_header(args, env, machine_record, rates, failures, below, others)
+    sections = report_header(args, env, machine_record, rates, bandwidth_samples, failures, below, others)
     for (grid, dtype), rows in rows_by_table.items():
         sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, shown)]
         skipped = sorted({f"{name}: {why}" for planned_point, result in results
@@ -945,7 +953,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text, flush=True)
     (out_dir / "table.md").write_text(text)
     (out_dir / "results.json").write_text(json.dumps({
-        "machine": machine_record, "machine_rates": {"start": machine.as_json(rates[0]), "end": machine.as_json(rates[1])},
+        "machine": machine_record, "machine_rates": {"start": machine.as_json(rates[0]), "end": machine.as_json(rates[1]),
+                                                    "bandwidth_samples_gbps": [s.read_bandwidth_gbps
+                                                                               for s in bandwidth_samples]},
         "environment": env, "results_from_other_cpus": others,
         "disagreements": [dataclasses.asdict(d) for d in failures], "below_roofline": below, "records": records,
     }, indent=1, default=str))

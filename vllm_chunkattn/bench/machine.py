@@ -264,7 +264,8 @@ def other_cpu_warning(found: list[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class MachineRates:
-    """One measurement of the machine's rates (the kernel benchmark takes one at its start and one at its end)."""
+    """One measurement of the machine's rates (the kernel benchmark takes one at its start and one at its end,
+    and samples the bandwidth alone before every point: sample_bandwidth, with empty peak dicts)."""
     threads: int
     read_bandwidth_gbps: float  # best pass of a streaming sum on `threads` threads
     read_bandwidth_runs_gbps: tuple[float, ...]
@@ -290,6 +291,17 @@ def measure_rates(threads: int, machine: dict, quick: bool = False) -> MachineRa
     one = peak if threads == 1 else {loop: _machine.peak_gflops(loop, 1, seconds, runs)["gflops"] for loop in loops}
     bandwidth = _machine.read_bandwidth((256 << 20) if quick else read_buffer_bytes(machine), threads, runs)
     return MachineRates(threads, bandwidth["gbps"], tuple(bandwidth["gbps_runs"]), peak, one)
+
+
+def sample_bandwidth(threads: int, machine: dict, quick: bool = False) -> MachineRates:
+    """Read bandwidth alone, for a sample between points: this VM's bandwidth drifts by tens of percent
+    within minutes, so a bound from the start and end alone is not a bound for the points in between."""
+    import torch  # noqa: F401  (loads libtorch, which the probe is linked against)
+
+    from vllm_chunkattn.bench import _machine
+
+    bandwidth = _machine.read_bandwidth((256 << 20) if quick else read_buffer_bytes(machine), threads, 1)
+    return MachineRates(threads, bandwidth["gbps"], tuple(bandwidth["gbps_runs"]), {}, {})
 
 
 def peak_for_dtype(rates: list[MachineRates], dtype: str) -> tuple[float, str]:
