@@ -4,6 +4,9 @@ dense K/V, FlashInfer cascade levels), and that it refuses to run without a GPU.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -125,3 +128,30 @@ def test_a_method_that_disagrees_with_chunk_is_not_timed(monkeypatch):
     assert row["disagreements"][0]["max_abs_diff"] == pytest.approx(0.1, rel=1e-3)
     assert row["max_abs_diff_vs_chunk"]["fa_shared"] == pytest.approx(1e-4, rel=1e-2)
     assert row["times_us"] == {}
+
+
+def test_replot_draws_each_baseline_over_chunk(tmp_path, monkeypatch):
+    """`--replot RUN.json` redraws a finished GPU run here; the bars are each baseline's time over chunk's."""
+    axes = pytest.importorskip("matplotlib.axes")
+    drawn = {}
+    real_bar = axes.Axes.bar
+
+    def recording_bar(self, x, heights, *args, label=None, **kwargs):
+        drawn.setdefault(label, []).extend(float(h) for h in heights)
+        return real_bar(self, x, heights, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(axes.Axes, "bar", recording_bar)
+    rows = [
+        {"grid": "table3", "batch": 32, "prompt": 1024, "shared": n_s, "completion": 1, "levels": [],
+         "times_us": {"chunk": chunk, "sdpa": 200.0, "flashinfer": 100.0}}
+        for n_s, chunk in ((0, 200.0), (1024, 25.0))
+    ] + [{"grid": "multilevel", "batch": 64, "prompt": 0, "shared": 0, "completion": 0, "levels": [[1, 1024]],
+          "times_us": {"chunk": 50.0, "sdpa": 400.0}}]
+    meta = {"device": "GPU", "capability": "9.0",
+            "settings": {"heads": 32, "kv_heads": 8, "head_size": 128, "block_size": 64, "dtype": "bfloat16"}}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": meta, "rows": rows}))
+    assert kg.main(["--replot", str(run)]) == 0
+    assert run.with_suffix(".png").stat().st_size > 0
+    assert drawn["sdpa"] == [1.0, 8.0, 8.0]
+    assert drawn["flashinfer"][:2] == [0.5, 4.0] and math.isnan(drawn["flashinfer"][2])

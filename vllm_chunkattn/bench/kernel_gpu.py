@@ -442,6 +442,63 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot_speedups(rows: list[dict], methods: list[str], title: str, path: Path) -> None:
+    """One panel per grid: each baseline's time over chunk's at every point (above 1: chunk is faster)."""
+    try:
+        from vllm_chunkattn.bench.report import _pyplot
+
+        plt = _pyplot()
+    except ImportError:
+        print(f"matplotlib is not installed: skipping {path}", flush=True)
+        return
+    rows = [r for r in rows if "chunk" in r["times_us"]]
+    grids = list(dict.fromkeys(r["grid"] for r in rows))
+    baselines = [m for m in methods if m != "chunk" and any(m in r["times_us"] for r in rows)]
+    if not rows or not baselines:
+        return
+    fig, axes = plt.subplots(len(grids), 1, figsize=(12, 3.6 * len(grids)), squeeze=False)
+    width = 0.8 / len(baselines)
+    for ax, grid in zip(axes[:, 0], grids):
+        sel = [r for r in rows if r["grid"] == grid]
+        for k, m in enumerate(baselines):
+            ys = [r["times_us"][m] / r["times_us"]["chunk"] if m in r["times_us"] else float("nan") for r in sel]
+            ax.bar(np.arange(len(sel)) + k * width, ys, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(np.arange(len(sel)) + width * (len(baselines) - 1) / 2, [_short_label(r) for r in sel],
+                      fontsize=8)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(lambda y, _: f"{y:g}x")
+        ax.yaxis.set_minor_formatter(lambda y, _: f"{y:g}x" if round(y * 10) % 5 == 0 else "")
+        ax.set_ylabel("time / chunk's time")
+        ax.set_title(f"{grid}: above 1 = chunk faster", fontsize=10)
+        ax.legend(ncols=len(baselines), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+def _short_label(row: dict) -> str:
+    if row["levels"]:
+        return f"b={row['batch']}"
+    return f"b={row['batch']}\n{row['prompt']}/{row['shared']}/{row['completion']}"
+
+
+def _title(meta: dict) -> str:
+    s = meta["settings"]
+    return (f"{meta['device']} (sm_{meta['capability'].replace('.', '')}), {s['heads']} heads ({s['kv_heads']} KV) "
+            f"x {s['head_size']}, block {s['block_size']}, {s['dtype']}; labels b, n_p/n_s/n_c")
+
+
+def replot(json_path: Path) -> int:
+    """The plot of a finished run (e.g. one made on a GPU host), here: JSON -> .png beside it."""
+    results = json.loads(json_path.read_text())
+    methods = list(dict.fromkeys(m for r in results["rows"] for m in r["times_us"]))
+    plot_speedups(results["rows"], methods, _title(results["meta"]), json_path.with_suffix(".png"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.kernel_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--grids", nargs="+", default=["table3", "figure3", "figure4", "multilevel"])
@@ -454,8 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--quick", action="store_true", help="first and last point of each grid only")
-    ap.add_argument("--out", default="results/kernel_gpu", help="output prefix (.json and .md are written)")
+    ap.add_argument("--out", default="results/kernel_gpu", help="output prefix (.json, .md and .png are written)")
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plot of a finished run (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     if not torch.cuda.is_available():
         print("kernel_gpu: no CUDA device; this benchmark needs a GPU (the CPU one is vllm_chunkattn.bench.kernel)",
               file=sys.stderr)
@@ -519,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n".join(machine.other_cpu_warning(others)) + f"{table}\n"
         + (f"\nNot measured:\n{notes}\n" if notes else "")
     )
+    plot_speedups([r for r in rows if not r["disagreements"]], settings.methods, _title(meta), out.with_suffix(".png"))
     print()
     print(table)
     print(f"\nwritten: {out.with_suffix('.json')}, {out.with_suffix('.md')}")
