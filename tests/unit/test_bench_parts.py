@@ -149,3 +149,38 @@ def test_report_opens_with_the_machine_and_names_results_of_another_cpu(tmp_path
     assert "- results/serve/old/results.json: AuthenticAMD family 25 model 17" in table
     write_report(tmp_path, results)
     assert machine.results_from_other_cpus(tmp_path, record["cpu_identity"]) == []  # its own record reads back
+
+
+def test_report_takes_medians_over_alternated_repeats_and_shows_the_gain_due_to_sharing(tmp_path):
+    ws = [{"name": "tree", "description": "d", "shared_tokens": 2048, "output_tokens": 64, "min_throughput_ratio": 1.15,
+           "max_p90_latency_ratio": None, "max_ttft_ratio": 1.0},
+          {"name": "random", "description": "d", "shared_tokens": 0, "output_tokens": 64, "min_throughput_ratio": 1.0,
+           "max_p90_latency_ratio": None, "max_ttft_ratio": 1.0}]
+    runs = []
+    # three repeats; the median repeat decides, and each repeat's own ratio is listed
+    for repeat, (stock, chunk) in enumerate([(100.0, 130.0), (90.0, 150.0), (110.0, 120.0)], 1):
+        runs += [_record("stock", "tree", "concurrency", 32, stock, 20.0, repeat=repeat),
+                 _record("chunk", "tree", "concurrency", 32, chunk, 10.0, repeat=repeat, mean_ttft_ms=12.0)]
+        runs += [_record("stock", "random", "concurrency", 32, 100.0, 20.0, repeat=repeat),
+                 _record("chunk", "random", "concurrency", 32, 110.0, 20.0, repeat=repeat)]
+    table = write_report(tmp_path, {"command": "cmd", "workloads": ws, "runs": runs})
+    # medians: stock 100, chunk 130 -> 1.30; without sharing 1.10; due to sharing 1.30 / 1.10 = 1.18
+    assert "| tree | 2048 | 64 | **1.30** | 1.30, 1.67, 1.09 | 1.10 | 1.18 | 1.20 | 1.00 | 1.00 |" in table
+    assert "| random | 0 | 64 | **1.10** | 1.10, 1.10, 1.10 | 1.10 | – |" in table
+    assert "| tree | stock | 1.00 | 100.0 (90.0–110.0) |" in table
+    assert "24/24" in table  # completed summed over the repeats
+    assert "| tree | mean TTFT chunk/stock ≤ 1.0 | 1.20 | NOT met |" in table
+    assert "| tree | p90 TTFT chunk/stock ≤ 1.0 | 1.00 | met |" in table
+
+
+def test_full_workloads_have_the_output_lengths_and_targets_of_issue_12():
+    full = workloads(False)
+    for name in ("prefix_repetition-2048", "tree"):
+        assert [full[n].output_tokens for n in (name, f"{name}-out64", f"{name}-out256")] == [128, 64, 256]
+        assert full[name].min_throughput_ratio == 1.15
+    assert full["tree-out64"].tree.output_tokens == 64
+    assert "64" == full["prefix_repetition-2048-out64"].dataset_args[
+        full["prefix_repetition-2048-out64"].dataset_args.index("--prefix-repetition-output-len") + 1]
+    assert full["prefix_repetition-8192"].min_throughput_ratio == 2.0
+    assert full["random-1024"].min_throughput_ratio == 1.0
+    assert all(w.max_ttft_ratio == 1.0 for w in full.values())

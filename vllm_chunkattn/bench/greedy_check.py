@@ -78,14 +78,14 @@ def compare_benchmark_texts(out_dir: Path, runs: list[dict]) -> dict[str, list[i
     """The benchmark runs are greedy too (--temperature 0) and saved with their
     texts, in request order: per run present for both servers, [identical, compared].
     Informational: in big batches a near tie may legitimately go either way."""
-    raw = {(r["server"], r["workload"], r["mode"], r["x"]): r["raw"] for r in runs if r.get("raw")}
+    raw = {(r["server"], r["workload"], r["mode"], r["x"], r.get("repeat", 1)): r["raw"] for r in runs if r.get("raw")}
     result = {}
-    for (server, workload, mode, x), path in sorted(raw.items(), key=str):
-        other = raw.get(("chunk", workload, mode, x))
+    for (server, workload, mode, x, repeat), path in sorted(raw.items(), key=str):
+        other = raw.get(("chunk", workload, mode, x, repeat))
         if server != "stock" or other is None:
             continue
         a = json.loads((Path(out_dir) / path).read_text()).get("generated_texts") or []
         b = json.loads((Path(out_dir) / other).read_text()).get("generated_texts") or []
-        name = f"{workload}-" + (f"c{x:g}" if mode == "concurrency" else f"r{x:g}")
+        name = f"{workload}-" + (f"c{x:g}" if mode == "concurrency" else f"r{x:g}") + (f"-rep{repeat}" if repeat > 1 else "")
         result[name] = [sum(x == y for x, y in zip(a, b)), min(len(a), len(b))]
     return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 from vllm_chunkattn.bench import machine
@@ -87,8 +88,44 @@ def _kv(rec: dict) -> str:
     return f"{pct:.1f}% ({gib:.3g} GiB)" if gib is not None else f"{pct:.1f}%"
 
 
+def _repeats(records: list[dict], workload: str, mode: str, x) -> dict[str, list[dict]]:
+    """Per server, its runs of one configuration, in repeat order."""
+    out: dict[str, list[dict]] = {}
+    for r in sorted(records, key=lambda r: r.get("repeat", 1)):
+        if r["workload"] == workload and r["mode"] == mode and r["x"] == x:
+            out.setdefault(r["server"], []).append(r)
+    return out
+
+
+def _median_record(runs: list[dict]) -> dict:
+    """One record for the repeats of a configuration: the median of every number, the first run's other fields;
+    timed out if any repeat timed out, completed and num_prompts summed."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            median = statistics.median(values)
+            merged[key] = int(median) if all(isinstance(v, int) for v in values) and median == int(median) else median
+    merged["completed"] = sum(r["completed"] for r in runs)
+    merged["num_prompts"] = sum(r["num_prompts"] for r in runs)
+    merged["timed_out"] = any(r.get("timed_out") for r in runs)
+    return merged
+
+
 def _pair(records: list[dict], workload: str, mode: str, x) -> dict[str, dict]:
-    return {r["server"]: r for r in records if r["workload"] == workload and r["mode"] == mode and r["x"] == x}
+    """Per server, the median over the repeats of one configuration."""
+    return {server: _median_record(runs) for server, runs in _repeats(records, workload, mode, x).items()}
+
+
+def _repeat_ratios(records: list[dict], workload: str, mode: str, x, key: str) -> list[float]:
+    """chunk/stock of `key` per repeat (repeat k of chunk against repeat k of stock)."""
+    by_server = _repeats(records, workload, mode, x)
+    stock = {r.get("repeat", 1): r for r in by_server.get("stock", []) if not r.get("timed_out")}
+    ratios = [_ratio(r[key], stock[r.get("repeat", 1)][key]) for r in by_server.get("chunk", [])
+              if not r.get("timed_out") and r.get("repeat", 1) in stock]
+    return [x for x in ratios if x is not None]
 
 
 THROUGHPUT_COLUMNS = [
@@ -109,7 +146,7 @@ def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
         return []
     c = runs[0]["x"]
     lines = [
-        f"### Throughput at max concurrency {c}",
+        f"### Throughput at max concurrency {c} (medians over repeats; output tok/s: median (lowest–highest))",
         "",
         "| workload | server | " + " | ".join(h for h, _, _ in THROUGHPUT_COLUMNS)
         + " | peak KV cache | peak batch | completed |",
@@ -121,6 +158,9 @@ def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
             if server in pair:
                 r = pair[server]
                 cells = [_fmt(r[k], d) for _, k, d in THROUGHPUT_COLUMNS]
+                each = [x["output_throughput"] for x in _repeats(runs, w["name"], "concurrency", c)[server]]
+                if len(each) > 1:  # the spread over repeats
+                    cells[1] += f" ({_fmt(min(each), 1)}–{_fmt(max(each), 1)})"
                 done = f"{r['completed']}/{r['num_prompts']}" + (" (timed out)" if r.get("timed_out") else "")
                 lines.append(f"| {w['name']} | {server} | " + " | ".join(cells)
                              + f" | {_kv(r)} | {r['peak_batch']} | {done} |")
@@ -131,6 +171,41 @@ def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
             lines.append(f"| {w['name']} | **chunk/stock** | " + " | ".join(f"**{x}**" for x in cells)
                          + f" | {_fmt(kv, 2)} | {_fmt(batch, 2)} | |")
     return lines + [""]
+
+
+def summary_table(records: list[dict], workloads: list[dict]) -> list[str]:
+    """chunk/stock per workload beside the same ratio without sharing, so the gain due to sharing shows alone."""
+    runs = [r for r in records if r["mode"] == "concurrency"]
+    if not runs:
+        return []
+    c = runs[0]["x"]
+    repeats = max(r.get("repeat", 1) for r in runs)
+    unshared = next((w["name"] for w in workloads if not w["shared_tokens"]), None)
+    base = _ratio(*(lambda p: (p["chunk"]["output_throughput"], p["stock"]["output_throughput"])
+                    if len(p) == 2 else (None, None))(_pair(runs, unshared, "concurrency", c))) if unshared else None
+    lines = [
+        f"### Summary at max concurrency {c}: chunk/stock, median of {repeats} run{'s' * (repeats > 1)} per server",
+        "",
+        "| workload | shared | output | output tok/s | per repeat | "
+        + (f"without sharing ({unshared}) | due to sharing | " if unshared else "")
+        + "TTFT mean | TTFT p90 | TPOT mean |",
+        "|---|---:|---:|---:|---|" + ("---:|---:|" if unshared else "") + "---:|---:|---:|",
+    ]
+    for w in workloads:
+        pair = _pair(runs, w["name"], "concurrency", c)
+        if len(pair) != 2 or any(r.get("timed_out") for r in pair.values()):
+            continue
+        ratio = lambda key: _ratio(pair["chunk"][key], pair["stock"][key])  # noqa: E731
+        tput = ratio("output_throughput")
+        each = ", ".join(f"{x:.2f}" for x in _repeat_ratios(runs, w["name"], "concurrency", c, "output_throughput"))
+        cells = [w["name"], str(w["shared_tokens"]), str(w["output_tokens"]), f"**{_fmt(tput, 2)}**", each]
+        if unshared:
+            cells += [_fmt(base, 2), _fmt(_ratio(tput, base), 2) if w["shared_tokens"] else "–"]
+        cells += [_fmt(ratio("mean_ttft_ms"), 2), _fmt(ratio("p90_ttft_ms"), 2), _fmt(ratio("mean_tpot_ms"), 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + ["", "Output tok/s: above 1 is better; TTFT and TPOT: below 1 is better. Due to sharing: the "
+                    "workload's ratio over the ratio without sharing (the part of the gain that is not the kernel "
+                    "being faster on unshared attention).", ""]
 
 
 def sweep_table(records: list[dict], workloads: list[dict]) -> list[str]:
@@ -179,6 +254,12 @@ def targets_table(records: list[dict], workloads: list[dict]) -> list[str]:
             ok = got is not None and got <= w["max_p90_latency_ratio"]
             rows.append(f"| {w['name']} | p90 normalised latency chunk/stock ≤ {w['max_p90_latency_ratio']} "
                         f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
+        if w.get("max_ttft_ratio") is not None:
+            for label, key in (("mean", "mean_ttft_ms"), ("p90", "p90_ttft_ms")):
+                got = _ratio(pair["chunk"][key], pair["stock"][key])
+                ok = got is not None and got <= w["max_ttft_ratio"]
+                rows.append(f"| {w['name']} | {label} TTFT chunk/stock ≤ {w['max_ttft_ratio']} "
+                            f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
     if not rows:
         return []
     return ["### Targets", "", "| workload | target | measured | |", "|---|---|---:|---|", *rows, ""]
@@ -203,6 +284,7 @@ def markdown(results: dict) -> str:
     if results.get("benchmark_texts_identical"):
         lines += ["Identical greedy texts, chunk vs stock, in the benchmark runs: " + ", ".join(
             f"{name} {same}/{n}" for name, (same, n) in results["benchmark_texts_identical"].items()), ""]
+    lines += summary_table(records, workloads)
     lines += throughput_table(records, workloads)
     lines += sweep_table(records, workloads)
     lines += targets_table(records, workloads)

@@ -4,14 +4,16 @@ vLLM's own `vllm bench serve`, as the ChunkAttention paper's section 4.2 does.
     python -m vllm_chunkattn.bench.serve                # full run, benchmark model
     python -m vllm_chunkattn.bench.serve --quick        # CI: tiny model, a few dozen requests
 
-For each server in turn (stock vLLM, its default CPU attention, prefix caching
-on; then the same engine arguments plus `--attention-backend chunk`):
-start `vllm serve` on a free loopback port, send the same greedy requests to
-both and compare the completions, then for each workload run `vllm bench
-serve` at a fixed max concurrency (the throughput table) and at each Poisson
-request rate (the paper's Figure 5), while a thread samples the server's
-`/metrics` for peak KV cache usage and peak batch size. Results go to one
-folder: raw `vllm bench serve` JSON per run, results.json, table.md and plots.
+Both servers run side by side on free loopback ports: stock vLLM (its default
+CPU attention, prefix caching on) and the same engine arguments plus
+`--attention-backend chunk`. The same greedy requests go to both and their
+completions are compared; then every run (each workload at a fixed max
+concurrency, the throughput table, and at each Poisson request rate, the
+paper's Figure 5) is made `--repeats` times, alternating the servers (stock
+then chunk, then chunk then stock, ...), so that drift of the machine hits
+both alike. Only one server has work at a time. A thread samples the busy
+server's `/metrics` for peak KV cache usage and peak batch size. Results go to
+one folder: raw `vllm bench serve` JSON per run, results.json, table.md and plots.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.serve", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", help="model directory (default: the generated benchmark model; "
-                    "with --quick the embedded tiny test model)")
+    ap.add_argument("--model", help="model directory (default: the generated model --model-name)")
+    ap.add_argument("--model-name", choices=["bench-gqa", "bench", "tiny"],
+                    help="generated model (vllm_chunkattn/testing/models.py) when --model is not given: bench-gqa "
+                    "(default: Llama-3-8B's shape scaled down, GQA 4:1, MLP 3.5x hidden, 4 layers), bench (MHA, "
+                    "2 layers, small MLP: attention is a larger share of a step) or tiny (--quick's default)")
+    ap.add_argument("--repeats", type=int, help="runs of each configuration per server, alternating the servers "
+                    "(default 2; --quick 1)")
     ap.add_argument("--quick", action="store_true",
                     help="CI: tiny model, short prompts, a few dozen requests, no rate sweep; "
                     "exits non-zero unless both servers give identical greedy completions")
@@ -71,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", help="bf16 matmul is very slow on CPUs without AMX")
     ap.add_argument("--block-size", type=int, default=64,
                     help="the same for both servers; 64 is the paper's chunk size")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, help="default 10240, which fits the 8192-token prefixes "
+                    "(--quick: 4096, the tiny model's limit)")
     ap.add_argument("--compile", action="store_true",
                     help="let vLLM torch.compile the model (default: --enforce-eager for both servers)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the datasets and arrivals, same for both servers")
@@ -88,6 +96,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or (24 if args.quick else 64)
     args.kv_cache_space = args.kv_cache_space or (1.0 if args.quick else 4.0)
     args.greedy_tokens = args.greedy_tokens or (16 if args.quick else 32)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.max_model_len = args.max_model_len or (4096 if args.quick else 10240)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    args.model_name = args.model_name or ("tiny" if args.quick else "bench-gqa")
     args.metrics_interval = args.metrics_interval or (0.05 if args.quick else 0.5)
     args.rates = [] if args.quick else [float(r) for r in args.request_rates.split(",") if r.strip()]
     return args
@@ -153,7 +166,7 @@ class Progress:
 
 
 def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, server: str,
-                  dataset_dir: Path, raw_dir: Path) -> list[str]:
+                  dataset_dir: Path, raw_dir: Path, run_name: str) -> list[str]:
     vllm = str(Path(sys.executable).with_name("vllm"))
     return [
         vllm, "bench", "serve",
@@ -163,7 +176,7 @@ def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, serv
         # Greedy, full length: the same work for both servers, and comparable texts.
         "--temperature", "0", "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run.name}.json",
+        "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run_name}.json",
         "--disable-tqdm",
     ]
 
@@ -213,10 +226,12 @@ def stop_process_group(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, out: Path, progress: Progress) -> dict:
+def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, repeat: int, out: Path,
+              progress: Progress) -> dict:
     raw_dir, log_dir = out / "raw", out / "logs"
-    cmd = bench_command(args, model, server.url, run, server_name, out / "datasets", raw_dir)
-    log_path = log_dir / f"{server_name}-{run.name}.client.log"
+    run_name = f"{run.name}-rep{repeat}"
+    cmd = bench_command(args, model, server.url, run, server_name, out / "datasets", raw_dir, run_name)
+    log_path = log_dir / f"{server_name}-{run_name}.client.log"
     log_path.write_text("$ " + shlex.join(cmd) + "\n")
     server_log_offset = len(server.log_text())
     load_before = os.getloadavg()
@@ -246,8 +261,8 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
         raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
     metrics = poller.summary()
     (out / "metrics").mkdir(exist_ok=True)
-    (out / "metrics" / f"{server_name}-{run.name}.json").write_text(json.dumps(asdict(metrics)) + "\n")
-    raw_path = raw_dir / f"{server_name}-{run.name}.json"
+    (out / "metrics" / f"{server_name}-{run_name}.json").write_text(json.dumps(asdict(metrics)) + "\n")
+    raw_path = raw_dir / f"{server_name}-{run_name}.json"
     if timed_out:
         # The client saves nothing when stopped; what the server finished is all there is.
         client = {**dict.fromkeys(CLIENT_FIELDS, math.nan), "num_prompts": run.num_prompts,
@@ -257,7 +272,7 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
     else:
         client = summarise_raw(json.loads(raw_path.read_text()))
     record = {
-        "server": server_name, "workload": run.workload.name, "mode": run.mode, "x": run.x,
+        "server": server_name, "workload": run.workload.name, "mode": run.mode, "x": run.x, "repeat": repeat,
         "raw": None if timed_out else str(raw_path.relative_to(out)),
         "timed_out": timed_out,
         **client,
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress()
     from vllm_chunkattn.testing.models import ensure_model
 
-    model = args.model or ensure_model("tiny" if args.quick else "bench")
+    model = args.model or ensure_model(args.model_name)
     available = workloads(args.quick)
     names = args.workloads.split(",") if args.workloads else list(available)
     unknown = [n for n in names if n not in available]
@@ -347,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command.strip(),
         "setup": (f"Model `{Path(model).name}`, {args.dtype}, block size {args.block_size}, "
+                  f"{args.repeats} run{'s' * (args.repeats > 1)} of each configuration per server, servers alternated, "
                   f"max {args.max_concurrency} running requests, KV cache {args.kv_cache_space:g} GiB, "
                   f"{'torch.compile' if args.compile else '--enforce-eager'}, seed {args.seed}; "
                   f"`vllm serve` arguments for both servers: `{shlex.join(common)}`."),
@@ -364,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     # Also where SIGINT was ignored at start (a job started with & by a script), Ctrl-C must stop the servers.
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     status = 0
+    running: dict[str, VllmServer] = {}
     try:
         prompts = greedy_prompts(args, chosen, model, out)
         for server_name in servers:
@@ -372,36 +389,44 @@ def main(argv: list[str] | None = None) -> int:
             server = VllmServer(model, SERVERS[server_name] + common, log_path=out / "logs" / f"{server_name}.server.log",
                                 env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_space:g}", "VLLM_SERVER_DEV_MODE": "1"})
             results["servers"][server_name] = {"url": server.url, "log": str(server.log_path.relative_to(out))}
+            running[server_name] = server
             try:
-                try:
-                    server.start()
-                except ServerError:
-                    # The log's tail is the API server's traceback; the cause is further up.
-                    for line in error_lines(server.log_text()):
-                        progress(f"{server_name}: {line}")
-                    raise
-                results["timings_s"][f"{server_name}/start"] = time.monotonic() - started
-                progress(f"{server_name}: healthy after {time.monotonic() - started:.0f} s on {server.url}")
-                t0 = time.monotonic()
-                results["greedy"][server_name] = greedy_check.greedy_completions(
-                    server.url, model, prompts, args.greedy_tokens)
-                results["timings_s"][f"{server_name}/greedy_check"] = time.monotonic() - t0
-                progress(f"{server_name}: greedy check, {len(prompts)} requests, {time.monotonic() - t0:.0f} s")
-                for i, run in enumerate(runs, 1):
+                server.start()
+            except ServerError:
+                # The log's tail is the API server's traceback; the cause is further up.
+                for line in error_lines(server.log_text()):
+                    progress(f"{server_name}: {line}")
+                raise
+            results["timings_s"][f"{server_name}/start"] = time.monotonic() - started
+            progress(f"{server_name}: healthy after {time.monotonic() - started:.0f} s on {server.url}")
+            t0 = time.monotonic()
+            results["greedy"][server_name] = greedy_check.greedy_completions(server.url, model, prompts,
+                                                                             args.greedy_tokens)
+            results["timings_s"][f"{server_name}/greedy_check"] = time.monotonic() - t0
+            progress(f"{server_name}: greedy check, {len(prompts)} requests, {time.monotonic() - t0:.0f} s")
+        total = len(runs) * args.repeats * len(servers)
+        done = 0
+        for run in runs:
+            for repeat in range(1, args.repeats + 1):
+                # Alternate which server goes first, so neither always runs on a warmer or cooler machine.
+                for server_name in servers if repeat % 2 else servers[::-1]:
+                    server = running[server_name]
                     if not reset_prefix_cache(server.url):
                         progress("    WARNING: could not reset the prefix cache (needs VLLM_SERVER_DEV_MODE=1)")
-                    progress(f"{server_name} [{i}/{len(runs)}] {run.name}: {run.num_prompts} requests, "
+                    done += 1
+                    progress(f"[{done}/{total}] {server_name} {run.name} (repeat {repeat}/{args.repeats}): "
+                             f"{run.num_prompts} requests, "
                              + (f"max concurrency {run.x:g}" if run.mode == "concurrency" else f"Poisson {run.x:g} req/s"))
-                    record = run_bench(args, model, server, server_name, run, out, progress)
+                    record = run_bench(args, model, server, server_name, run, repeat, out, progress)
                     results["runs"].append(record)
-                    results["timings_s"][f"{server_name}/{run.name}"] = record["wall_s"]
-            finally:
-                server.stop()
-            progress(f"{server_name}: stopped")
+                    results["timings_s"][f"{server_name}/{run.name}-rep{repeat}"] = record["wall_s"]
     except KeyboardInterrupt as exc:
         progress(f"interrupted ({str(exc) or 'Ctrl-C'}); servers stopped")
         status = 130
     finally:
+        for server_name, server in running.items():
+            server.stop()
+            progress(f"{server_name}: stopped")
         for s, handler in previous.items():
             signal.signal(s, handler)
         if all(s in results["greedy"] for s in SERVERS):
