@@ -656,10 +656,9 @@ def below_roofline(label: str, times: dict[str, list[float]], bound: machine.Roo
 
 def plot_table3(rows: list[dict], impls: list[str], path: Path) -> None:
     try:
-        import matplotlib
+        from vllm_chunkattn.bench.report import _pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = _pyplot()
     except ImportError:
         print(f"matplotlib is not installed: skipping {path} (add `matplotlib` to the environment to get the plot)",
               flush=True)

@@ -82,6 +82,13 @@ def _ratio(chunk, stock) -> float | None:
     return chunk / stock
 
 
+def _pair_ratio(pair: dict[str, dict], key: str) -> float | None:
+    """chunk/stock of one field of a configuration's pair of (median) records; None without both servers."""
+    if "chunk" not in pair or "stock" not in pair:
+        return None
+    return _ratio(pair["chunk"][key], pair["stock"][key])
+
+
 def _kv(rec: dict) -> str:
     gib = rec.get("peak_kv_cache_gib")
     pct = 100.0 * rec["peak_kv_cache_usage"]
@@ -165,9 +172,9 @@ def throughput_table(records: list[dict], workloads: list[dict]) -> list[str]:
                 lines.append(f"| {w['name']} | {server} | " + " | ".join(cells)
                              + f" | {_kv(r)} | {r['peak_batch']} | {done} |")
         if len(pair) == 2 and not any(r.get("timed_out") for r in pair.values()):
-            cells = [_fmt(_ratio(pair["chunk"][k], pair["stock"][k]), 2) for _, k, _ in THROUGHPUT_COLUMNS]
-            kv = _ratio(pair["chunk"]["peak_kv_cache_usage"], pair["stock"]["peak_kv_cache_usage"])
-            batch = _ratio(pair["chunk"]["peak_batch"], pair["stock"]["peak_batch"])
+            cells = [_fmt(_pair_ratio(pair, k), 2) for _, k, _ in THROUGHPUT_COLUMNS]
+            kv = _pair_ratio(pair, "peak_kv_cache_usage")
+            batch = _pair_ratio(pair, "peak_batch")
             lines.append(f"| {w['name']} | **chunk/stock** | " + " | ".join(f"**{x}**" for x in cells)
                          + f" | {_fmt(kv, 2)} | {_fmt(batch, 2)} | |")
     return lines + [""]
@@ -181,8 +188,7 @@ def summary_table(records: list[dict], workloads: list[dict]) -> list[str]:
     c = runs[0]["x"]
     repeats = max(r.get("repeat", 1) for r in runs)
     unshared = next((w["name"] for w in workloads if not w["shared_tokens"]), None)
-    base = _ratio(*(lambda p: (p["chunk"]["output_throughput"], p["stock"]["output_throughput"])
-                    if len(p) == 2 else (None, None))(_pair(runs, unshared, "concurrency", c))) if unshared else None
+    base = _pair_ratio(_pair(runs, unshared, "concurrency", c), "output_throughput") if unshared else None
     lines = [
         f"### Summary at max concurrency {c}: chunk/stock, median of {repeats} run{'s' * (repeats > 1)} per server",
         "",
@@ -195,13 +201,12 @@ def summary_table(records: list[dict], workloads: list[dict]) -> list[str]:
         pair = _pair(runs, w["name"], "concurrency", c)
         if len(pair) != 2 or any(r.get("timed_out") for r in pair.values()):
             continue
-        ratio = lambda key: _ratio(pair["chunk"][key], pair["stock"][key])  # noqa: E731
-        tput = ratio("output_throughput")
+        tput = _pair_ratio(pair, "output_throughput")
         each = ", ".join(f"{x:.2f}" for x in _repeat_ratios(runs, w["name"], "concurrency", c, "output_throughput"))
         cells = [w["name"], str(w["shared_tokens"]), str(w["output_tokens"]), f"**{_fmt(tput, 2)}**", each]
         if unshared:
             cells += [_fmt(base, 2), _fmt(_ratio(tput, base), 2) if w["shared_tokens"] else "–"]
-        cells += [_fmt(ratio("mean_ttft_ms"), 2), _fmt(ratio("p90_ttft_ms"), 2), _fmt(ratio("mean_tpot_ms"), 2)]
+        cells += [_fmt(_pair_ratio(pair, key), 2) for key in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", "Output tok/s: above 1 is better; TTFT and TPOT: below 1 is better. Due to sharing: the "
                     "workload's ratio over the ratio without sharing (the part of the gain that is not the kernel "
@@ -245,18 +250,18 @@ def targets_table(records: list[dict], workloads: list[dict]) -> list[str]:
         if len(pair) != 2:
             continue
         if w.get("min_throughput_ratio") is not None:
-            got = _ratio(pair["chunk"]["output_throughput"], pair["stock"]["output_throughput"])
+            got = _pair_ratio(pair, "output_throughput")
             ok = got is not None and got >= w["min_throughput_ratio"]
             rows.append(f"| {w['name']} | output throughput chunk/stock ≥ {w['min_throughput_ratio']} "
                         f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
         if w.get("max_p90_latency_ratio") is not None:
-            got = _ratio(pair["chunk"]["p90_normalised_latency_ms"], pair["stock"]["p90_normalised_latency_ms"])
+            got = _pair_ratio(pair, "p90_normalised_latency_ms")
             ok = got is not None and got <= w["max_p90_latency_ratio"]
             rows.append(f"| {w['name']} | p90 normalised latency chunk/stock ≤ {w['max_p90_latency_ratio']} "
                         f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
         if w.get("max_ttft_ratio") is not None:
             for label, key in (("mean", "mean_ttft_ms"), ("p90", "p90_ttft_ms")):
-                got = _ratio(pair["chunk"][key], pair["stock"][key])
+                got = _pair_ratio(pair, key)
                 ok = got is not None and got <= w["max_ttft_ratio"]
                 rows.append(f"| {w['name']} | {label} TTFT chunk/stock ≤ {w['max_ttft_ratio']} "
                             f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
