@@ -84,6 +84,26 @@ std::string supported_dtypes();
 // Name of the ISA select_kernels would use now.
 const char* active_isa();
 
+// Run-time tile parameters. Which values are fastest depends on the CPU
+// (cache sizes, load ports, vector width), so they are measured rather than
+// fixed: vllm_chunkattn/kernels/cpu_tuning.py times candidates on the CPU at
+// engine start (the result cached on disk per CPU and kernel build) and sets
+// them here, before any kernel runs. The defaults are the values the kernels
+// were written around.
+struct CpuTuning {
+  int prefill_tile_rows = 64;   // query rows (new tokens x G) per prefill work item
+  int lanes_tile_keys = 128;    // keys per attend_lanes tile, rounded down to whole chunks (at least one)
+  int prefetch_distance = 1;    // attend_direct: KV tiles ahead of the one computed that are prefetched (0: none)
+};
+// Allowed ranges, [min, max] per field; set_cpu_tuning checks against them.
+struct CpuTuningLimits {
+  int min_prefill_tile_rows = 8, max_prefill_tile_rows = 512;
+  int min_lanes_tile_keys = 16, max_lanes_tile_keys = 2048;
+  int min_prefetch_distance = 0, max_prefetch_distance = 4;
+};
+const CpuTuning& cpu_tuning();
+void set_cpu_tuning(const CpuTuning& tuning);  // TORCH_CHECKs each field against CpuTuningLimits
+
 // Prefetches [p, p + bytes) into L2, for the tiles (the next K/V tile) and the
 // drivers (the next item's query rows). L2, not L1: an fp32 tile is larger
 // than L1, and prefetching it there evicts the tile being computed.

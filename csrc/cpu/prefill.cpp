@@ -11,11 +11,12 @@
 //   tokens; new token t sees keys 0 .. seq_len - num_new + t.
 //
 // Work decomposition (G = num_heads / num_kv_heads): items (request, kv head,
-// query tile). A tile is kTileRows / G consecutive new tokens x the G query
-// heads of the kv head, i.e. a [tokens*G, D] query matrix attended, flash
-// attention style, against the request's chunks up to the tile's last
-// position (attend_lanes: matrix-matrix register tiles, online softmax, the
-// causal mask only on chunks that cross the diagonal). Items are handed out on
+// query tile). A tile is prefill_tile_rows / G (CpuTuning, kernels.h)
+// consecutive new tokens x the G query heads of the kv head, i.e. a
+// [tokens*G, D] query matrix attended, flash attention style, against the
+// request's chunks up to the tile's last position (attend_lanes:
+// matrix-matrix register tiles, online softmax, the causal mask only on
+// chunks that cross the diagonal). Items are handed out on
 // torch's intra-op pool, costliest (longest context) requests first, the tiles
 // of one (request, kv head) one after the other so its context is read from
 // DRAM about once. A thread claims its next item before running the current
@@ -34,11 +35,6 @@ namespace {
 using cpu::AttnJob;
 using cpu::KernelTable;
 using cpu::KvView;
-
-// Query rows (tokens x G) per item: enough rows that each K/V element loaded
-// serves several lane vectors and the context is re-read few times, few
-// enough that short prompts still spread over the threads.
-constexpr int64_t kTileRows = 64;
 
 std::vector<int64_t> to_int64(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
@@ -64,7 +60,10 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
   qscalar_t* out_data = out.data_ptr<qscalar_t>();
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
-  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+  // Rows per item: enough that each K/V element loaded serves several lane
+  // vectors and the context is re-read few times, few enough that short
+  // prompts still spread over the threads; the balance is the CPU's (tuned).
+  const int64_t tile_tokens = std::max<int64_t>(1, cpu::cpu_tuning().prefill_tile_rows / group);
 
   struct Item {
     int32_t req, head;

@@ -62,4 +62,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       },
       "Head sizes and dtypes (torch names) the CPU kernels are instantiated for (csrc/cpu/kernel_tables.h).");
+  m.def(
+      "cpu_tuning",
+      [] {
+        const chunkattn::cpu::CpuTuning& t = chunkattn::cpu::cpu_tuning();
+        pybind11::dict d;
+        d["prefill_tile_rows"] = t.prefill_tile_rows;
+        d["lanes_tile_keys"] = t.lanes_tile_keys;
+        d["prefetch_distance"] = t.prefetch_distance;
+        return d;
+      },
+      "The CPU kernels' run-time tile parameters now (CpuTuning, csrc/cpu/kernels.h).");
+  m.def(
+      "cpu_tuning_limits",
+      [] {
+        const chunkattn::cpu::CpuTuningLimits lim;
+        pybind11::dict d;
+        d["prefill_tile_rows"] = pybind11::make_tuple(lim.min_prefill_tile_rows, lim.max_prefill_tile_rows);
+        d["lanes_tile_keys"] = pybind11::make_tuple(lim.min_lanes_tile_keys, lim.max_lanes_tile_keys);
+        d["prefetch_distance"] = pybind11::make_tuple(lim.min_prefetch_distance, lim.max_prefetch_distance);
+        return d;
+      },
+      "[min, max] of each CPU tuning parameter.");
+  m.def(
+      "set_cpu_tuning",
+      [](int prefill_tile_rows, int lanes_tile_keys, int prefetch_distance) {
+        chunkattn::cpu::set_cpu_tuning({prefill_tile_rows, lanes_tile_keys, prefetch_distance});
+      },
+      pybind11::kw_only(), pybind11::arg("prefill_tile_rows"), pybind11::arg("lanes_tile_keys"),
+      pybind11::arg("prefetch_distance"),
+      "Sets the CPU kernels' tile parameters (each checked against cpu_tuning_limits); call before kernels run.");
 }

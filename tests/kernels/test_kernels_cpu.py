@@ -9,7 +9,9 @@ ops are checked on each SIMD build of csrc/cpu (CHUNKATTN_CPU_ISA), on every
 skipped with the missing CPU flags as the reason (`pytest -rs` prints it).
 The torch kernels run on the same kind of cases; all against
 `reference.paged_attention`, computed in float64 from the same low-precision
-cache and queries and rounded to the dtype.
+cache and queries and rounded to the dtype. Each example runs the compiled
+kernels with randomly drawn tile parameters (kernels/cpu_tuning.py): the
+tuning a CPU picks changes the tiling, never the result.
 
 Tolerances (max abs error, relative to the output's scale s = max(1, max|ref|)):
     float32   atol 1e-5 * s, rtol 1e-4 (elementwise, torch.testing)
@@ -29,7 +31,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vllm_chunkattn.kernels import ops, torch_fallback
+from vllm_chunkattn import _C
+from vllm_chunkattn.kernels import cpu_tuning, ops, torch_fallback
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix import tree
 from vllm_chunkattn.testing import reference
@@ -222,15 +225,36 @@ def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.full((b, h, d + pad), float("nan"), dtype=like.dtype)[..., :d]
 
 
+@st.composite
+def tunings(draw) -> cpu_tuning.CpuTuning:
+    """Tile parameters anywhere in the kernels' limits, their bounds and the candidates included."""
+    values = {}
+    for name, (lo, hi) in _C.cpu_tuning_limits().items():
+        values[name] = draw(st.one_of(st.sampled_from([lo, hi, *cpu_tuning.CANDIDATES[name]]), st.integers(lo, hi)))
+    return cpu_tuning.CpuTuning(**values)
+
+
+@contextlib.contextmanager
+def _tuning(tuning: cpu_tuning.CpuTuning | None):
+    old = cpu_tuning.current()
+    if tuning is not None:
+        tuning.apply()
+    try:
+        yield
+    finally:
+        old.apply()
+
+
 def assert_on_isa(isa: str, op, like: torch.Tensor, pad: int, ref: torch.Tensor, dtype: torch.dtype,
-                  what: str) -> None:
-    """Run `op(out)` on SIMD build `isa` of the CPU kernels, into a NaN-filled
-    output shaped like `like` (rows strided by `pad`), and check the result."""
-    with _isa(isa):
+                  what: str, tuning: cpu_tuning.CpuTuning | None = None) -> None:
+    """Run `op(out)` on SIMD build `isa` of the CPU kernels with tile parameters
+    `tuning` (None: the current ones), into a NaN-filled output shaped like
+    `like` (rows strided by `pad`), and check the result."""
+    with _isa(isa), _tuning(tuning):
         assert torch.ops.chunkattn.cpu_isa() == isa
         out = _strided_out(like, pad)
         op(out)
-    assert_close(out, ref, dtype, f"{what} [{isa}]")
+    assert_close(out, ref, dtype, f"{what} [{isa}{', ' + tuning.describe() if tuning else ''}]")
 
 
 # Per (ISA, dtype, head size): a share of the examples a single property test gets.
@@ -258,7 +282,8 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
     ref = _decode_reference(case)
     assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx),
                                                   case["scale"], out),
-                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}")
+                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}",
+                  data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -354,7 +379,7 @@ def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
     ref = _prefill_reference(case)
     assert_on_isa(isa, lambda out: ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"],
                                                      case["seq_lens"], case["block_table"], case["scale"], out),
-                  case["query"], case["pad"], ref, case["dtype"], "paged_prefill")
+                  case["query"], case["pad"], ref, case["dtype"], "paged_prefill", data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))

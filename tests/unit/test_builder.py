@@ -150,3 +150,26 @@ def test_run_summary_reads_back():
     assert summary.mean_nodes == pytest.approx(9 / 7, abs=0.005)
     assert summary.served_once_share == pytest.approx(1234 / 5000)
     assert parse_run_summaries("CHUNK prefix tree: 5 decode steps, mean batch 2.0, ...") == []  # the periodic line
+
+
+def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch):
+    """At engine start the CPU kernels get the tile parameters tuned for the layer shape (kernels/cpu_tuning.py)."""
+    from vllm_chunkattn.kernels import cpu_tuning
+
+    asked = []
+    tuned = cpu_tuning.CpuTuning(prefill_tile_rows=32, lanes_tile_keys=256, prefetch_distance=2)
+
+    def ensure_tuned(shape):
+        asked.append(shape)
+        tuned.apply()
+        return tuned
+
+    before = cpu_tuning.current()
+    monkeypatch.setattr(cpu_tuning, "ensure_tuned", ensure_tuned)
+    try:
+        builder = make_builder()
+        assert asked == [builder.decode_shape]
+        assert (builder.decode_shape.num_heads, builder.decode_shape.num_kv_heads) == (4, 2)
+        assert cpu_tuning.current() == tuned
+    finally:
+        before.apply()

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunkattn import BACKEND_NAME
 from vllm_chunkattn.backend.stats import DecodeStats, logger
-from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.kernels.support import CUDA, for_platform, names
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
@@ -131,6 +131,10 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 "Enable prefix caching to benefit.",
                 BACKEND_NAME,
             )
+        if not on_cuda:
+            # The CPU kernels' tile parameters for this shape on this CPU: from
+            # the tuning cache, else measured now (seconds; logged once).
+            cpu_tuning.ensure_tuned(self.decode_shape)
         self.tree_cache = PrefixTreeCache()
         self.stats = DecodeStats(self.block_size)
         logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)

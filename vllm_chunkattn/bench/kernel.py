@@ -91,7 +91,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_chunkattn.bench import agreement, machine
-from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix import tree
@@ -875,10 +875,14 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[agreement.Disagreement] = []
     start = time.time()
     bandwidth_samples: list[machine.MachineRates] = []
+    tunings: dict[str, cpu_tuning.CpuTuning] = {}
     for planned_point in planned:
         progress.point(planned_point.label())
         p = planned_point.point
         bandwidth_samples.append(machine.sample_bandwidth(threads, machine_record, args.quick))
+        # Ours runs with the tile parameters the engine would use for this shape on this CPU.
+        tuning = cpu_tuning.ensure_tuned(DecodeShape(p.heads, p.heads, p.head_dim, p.chunk, DTYPES[p.dtype]))
+        tunings[planned_point.label()] = tuning
         if isinstance(p, PrefillPoint):
             result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
         else:
@@ -910,6 +914,7 @@ def main(argv: list[str] | None = None) -> int:
             base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
                         batch=p.batch, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype,
                         segments=p.segments)
+        base["cpu_tuning"] = dataclasses.asdict(tunings[planned_point.label()])
         roofline_record = dict(base, impl="roofline", median_ms=bound.bound_ms, min_ms=bound.bound_ms,
                                max_ms=bound.bound_ms, **dataclasses.asdict(bound), memory_ms=bound.memory_ms,
                                compute_ms=bound.compute_ms, bound_by=bound.bound_by)
@@ -937,6 +942,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shown = [i for i in IMPLS if i in impls]
     sections = report_header(args, env, machine_record, rates, bandwidth_samples, failures, below, others)
+    shapes = {f"{p.point.dtype} heads={p.point.heads} d={p.point.head_dim} chunk={p.point.chunk}": tunings[p.label()]
+              for p in planned}
+    sections += ["", f"Tile parameters of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
+                 f"{cpu_tuning.ENV_VAR}={cpu_tuning.mode()}): "
+                 + "; ".join(f"{shape}: {t.describe()}" for shape, t in shapes.items())]
     for (grid, dtype), rows in rows_by_table.items():
         sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, shown)]
         skipped = sorted({f"{name}: {why}" for planned_point, result in results

@@ -29,10 +29,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_chunkattn.kernels.cpu_info import cpu_description
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# /proc/cpuinfo flags that decide which kernels run and how fast they can be.
-FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16")
 
 # The peak loops (csrc/bench/machine_peak.cpp) whose instruction can compute
 # attention of a KV dtype. The roofline of a dtype takes the fastest of those
@@ -49,61 +49,6 @@ UNMEASURED_FLAGS = ("amx_bf16", "avx512_fp16")
 
 
 # ---------------------------------------------------------------- the record
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo."""
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return fields
-    for line in text.splitlines():
-        if not line.strip():
-            if fields:
-                break
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def _cpu_count_in(cpu_list: str) -> int:
-    """Number of CPUs in a sysfs list such as "0-3,8"."""
-    count = 0
-    for part in cpu_list.strip().split(","):
-        if "-" in part:
-            lo, hi = part.split("-")
-            count += int(hi) - int(lo) + 1
-        elif part:
-            count += 1
-    return count
-
-
-def _size_kib(text: str) -> int:
-    """KiB in a sysfs cache size such as "48K" or "32M"."""
-    match = re.fullmatch(r"(\d+)([KMG]?)", text.strip())
-    if not match:
-        raise ValueError(f"cache size {text!r}")
-    return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2)] // 1024
-
-
-def cache_sizes(online_cpus: int) -> dict[str, dict[str, int]]:
-    """{"L1d"|"L2"|"L3": {"kib": size of one instance, "instances": how many}} from sysfs."""
-    sizes: dict[str, dict[str, int]] = {}
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level = int((index / "level").read_text())
-            kind = (index / "type").read_text().strip()
-            kib = _size_kib((index / "size").read_text())
-            sharing = _cpu_count_in((index / "shared_cpu_list").read_text())
-        except (OSError, ValueError):
-            continue
-        if kind == "Instruction":
-            continue
-        name = "L1d" if level == 1 else f"L{level}"
-        sizes[name] = {"kib": kib, "instances": max(1, online_cpus // max(1, sharing))}
-    return sizes
-
 
 def _version(distribution: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
@@ -136,8 +81,7 @@ def chunkattn_cpu_isa() -> str | None:
 
 def describe_machine() -> dict:
     """The record of this machine and software, JSON-ready (see the module docstring)."""
-    info = _cpuinfo()
-    flags = set(info.get("flags", "").split())
+    cpu = cpu_description()
     online = os.cpu_count() or 1
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
@@ -148,13 +92,7 @@ def describe_machine() -> dict:
     except ImportError:
         torch_version = None
     record = {
-        "cpu_vendor": info.get("vendor_id"),
-        "cpu_model_name": info.get("model name") or platform.processor() or platform.machine(),
-        "cpu_family": int(info["cpu family"]) if "cpu family" in info else None,
-        "cpu_model": int(info["model"]) if info.get("model", "").isdigit() else None,
-        "cpu_stepping": int(info["stepping"]) if info.get("stepping", "").isdigit() else None,
-        "cpu_flags": {flag: flag in flags for flag in FLAGS_OF_INTEREST},
-        "caches": cache_sizes(online),
+        **cpu,
         "cores_online": online,
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else online,
         "chunkattn_cpu_isa": chunkattn_cpu_isa(),

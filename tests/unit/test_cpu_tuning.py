@@ -1,0 +1,176 @@
+"""The CPU tile parameters: limits, measurement, the on-disk cache and its failure modes.
+
+That every tuning gives the same results is tested with the kernels
+(tests/kernels/test_kernels_cpu.py draws one per example)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+from vllm_chunkattn import _C
+from vllm_chunkattn.kernels import cpu_tuning
+from vllm_chunkattn.prefix.plan import DecodeShape
+
+SMALL = DecodeShape(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A private cache folder, no tunings remembered from other tests, the kernels' values restored after."""
+    monkeypatch.setattr(cpu_tuning, "cache_dir", lambda: tmp_path / "cpu-tuning")
+    monkeypatch.setattr(cpu_tuning, "_tuned", {})
+    monkeypatch.delenv(cpu_tuning.ENV_VAR, raising=False)
+    before = cpu_tuning.current()
+    yield
+    before.apply()
+
+
+def _forbid_measuring(monkeypatch):
+    def fail(shape):
+        raise AssertionError("measured although a valid cache file exists")
+
+    monkeypatch.setattr(cpu_tuning, "measure", fail)
+
+
+def test_defaults_are_the_compiled_defaults_and_candidates_lie_within_the_limits():
+    cpu_tuning.CpuTuning().apply()
+    assert cpu_tuning.current() == cpu_tuning.CpuTuning()
+    limits = _C.cpu_tuning_limits()
+    assert set(limits) == set(cpu_tuning.CANDIDATES) == set(cpu_tuning.WORKLOADS)
+    assert set(limits) == {f.name for f in dataclasses.fields(cpu_tuning.CpuTuning)}
+    for name, candidates in cpu_tuning.CANDIDATES.items():
+        lo, hi = limits[name]
+        assert all(lo <= c <= hi for c in candidates), name
+        assert getattr(cpu_tuning.CpuTuning(), name) in candidates, name
+
+
+@pytest.mark.parametrize("field", ["prefill_tile_rows", "lanes_tile_keys", "prefetch_distance"])
+def test_values_outside_the_limits_are_refused_and_change_nothing(field):
+    before = cpu_tuning.current()
+    lo, hi = _C.cpu_tuning_limits()[field]
+    for bad in (lo - 1, hi + 1):
+        with pytest.raises(RuntimeError, match=f"{field} must be in \\[{lo}, {hi}\\], got {bad}"):
+            dataclasses.replace(before, **{field: bad}).apply()
+        assert cpu_tuning.current() == before
+
+
+def test_measure_picks_candidates_applies_them_and_records_every_candidate():
+    tuning, measured = cpu_tuning.measure(SMALL)
+    assert cpu_tuning.current() == tuning
+    for name, candidates in cpu_tuning.CANDIDATES.items():
+        assert getattr(tuning, name) in candidates
+        assert set(measured[name]) == {str(c) for c in candidates}
+        assert all(v > 0 for v in measured[name].values())
+        # The first candidate is the unit of the relative times.
+        assert measured[name][str(candidates[0])] == pytest.approx(len(cpu_tuning.WORKLOADS[name]))
+
+
+def test_a_change_needs_min_gain(monkeypatch):
+    """A candidate within MIN_GAIN of the current value does not replace it (noise never moves the defaults)."""
+    default = cpu_tuning.CpuTuning()
+
+    def timed(name, candidates, base, calls):
+        # Every other candidate 2% faster than the default: not enough.
+        return {c: 1.0 if c == getattr(default, name) else 0.98 for c in candidates}
+
+    monkeypatch.setattr(cpu_tuning, "_time_candidates", timed)
+    assert cpu_tuning.measure(SMALL)[0] == default
+
+    def much_faster(name, candidates, base, calls):
+        return {c: 1.0 if c != candidates[-1] else 0.5 for c in candidates}
+
+    monkeypatch.setattr(cpu_tuning, "_time_candidates", much_faster)
+    assert cpu_tuning.measure(SMALL)[0] == cpu_tuning.CpuTuning(**{n: c[-1] for n, c in cpu_tuning.CANDIDATES.items()})
+
+
+def test_ensure_tuned_measures_once_caches_and_reuses_the_file(monkeypatch, caplog):
+    calls = []
+    real_measure = cpu_tuning.measure
+    monkeypatch.setattr(cpu_tuning, "measure", lambda shape: calls.append(shape) or real_measure(shape))
+    with caplog.at_level(logging.INFO, logger="vllm.chunkattn"):
+        first = cpu_tuning.ensure_tuned(SMALL)
+        assert cpu_tuning.ensure_tuned(SMALL) == first
+    assert calls == [SMALL]
+    path = cpu_tuning.cache_path(cpu_tuning.tuning_key(SMALL))
+    record = json.loads(path.read_text())
+    assert record["tuning"] == dataclasses.asdict(first)
+    assert record["key"]["shape"]["dtype"] == "float32" and record["key"]["kernel_build"] == cpu_tuning.kernel_build()
+    logged = [r.getMessage() for r in caplog.records if "chunkattn CPU kernels" in r.getMessage()]
+    assert len(logged) == 1 and "measured in" in logged[0] and first.describe() in logged[0]
+
+    # A new process: read from the file, not measured.
+    monkeypatch.setattr(cpu_tuning, "_tuned", {})
+    _forbid_measuring(monkeypatch)
+    cpu_tuning.CpuTuning(prefill_tile_rows=8, lanes_tile_keys=16, prefetch_distance=4).apply()
+    assert cpu_tuning.ensure_tuned(SMALL) == first
+    assert cpu_tuning.current() == first
+
+
+def test_the_key_separates_shapes_and_dtypes():
+    other = dataclasses.replace(SMALL, dtype=torch.bfloat16)
+    paths = {cpu_tuning.cache_path(cpu_tuning.tuning_key(s))
+             for s in (SMALL, other, dataclasses.replace(SMALL, block_size=32))}
+    assert len(paths) == 3
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "out of range", "missing field"])
+def test_a_damaged_cache_file_is_measured_again(monkeypatch, caplog, damage):
+    key = cpu_tuning.tuning_key(SMALL)
+    path = cpu_tuning.cache_path(key)
+    good = cpu_tuning.CpuTuning(prefill_tile_rows=32, lanes_tile_keys=256, prefetch_distance=2)
+    cpu_tuning.save(path, key, good, {}, 0.0)
+    text = path.read_text()
+    record = json.loads(text)
+    if damage == "garbage":
+        path.write_bytes(b"\x00\xff not json")
+    elif damage == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif damage == "other key":
+        record["key"]["cpu"]["cpu_model"] = -1
+        path.write_text(json.dumps(record))
+    elif damage == "out of range":
+        record["tuning"]["lanes_tile_keys"] = 10**6
+        path.write_text(json.dumps(record))
+    else:
+        del record["tuning"]["prefetch_distance"]
+        path.write_text(json.dumps(record))
+    measured = []
+    fresh = cpu_tuning.CpuTuning(prefill_tile_rows=128, lanes_tile_keys=64, prefetch_distance=0)
+    monkeypatch.setattr(cpu_tuning, "measure", lambda shape: (measured.append(shape) or (fresh, {})))
+    with caplog.at_level(logging.WARNING, logger="vllm.chunkattn"):
+        assert cpu_tuning.ensure_tuned(SMALL) == fresh
+    assert measured == [SMALL]
+    assert cpu_tuning.current() == fresh
+    assert any("ignoring the CPU tuning cache" in r.getMessage() for r in caplog.records)
+    assert json.loads(path.read_text())["tuning"] == dataclasses.asdict(fresh)  # rewritten
+
+
+def test_an_unwritable_cache_only_warns(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(cpu_tuning, "cache_dir", lambda: blocker / "cpu-tuning")  # under a file: mkdir fails
+    fresh = cpu_tuning.CpuTuning(prefetch_distance=2)
+    monkeypatch.setattr(cpu_tuning, "measure", lambda shape: (fresh, {}))
+    with caplog.at_level(logging.WARNING, logger="vllm.chunkattn"):
+        assert cpu_tuning.ensure_tuned(SMALL) == fresh
+    assert any("could not write the CPU tuning cache" in r.getMessage() for r in caplog.records)
+
+
+def test_default_mode_uses_the_built_in_values_without_measuring(monkeypatch):
+    monkeypatch.setenv(cpu_tuning.ENV_VAR, "default")
+    _forbid_measuring(monkeypatch)
+    cpu_tuning.CpuTuning(prefetch_distance=3).apply()
+    assert cpu_tuning.ensure_tuned(SMALL) == cpu_tuning.CpuTuning()
+    assert cpu_tuning.current() == cpu_tuning.CpuTuning()
+    assert not cpu_tuning.cache_dir().exists()
+
+
+def test_a_bad_mode_is_refused_with_the_allowed_values(monkeypatch):
+    monkeypatch.setenv(cpu_tuning.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="CHUNKATTN_CPU_TUNING must be one of auto, default; got 'fast'"):
+        cpu_tuning.ensure_tuned(SMALL)

@@ -1,0 +1,298 @@
+"""Tile parameters of the CPU kernels, measured on the CPU they run on.
+
+The fastest tile sizes depend on the CPU: how much fits its L1 and L2, how
+many loads it issues per cycle, how far ahead its memory must be asked for.
+A kernel tuned on one CPU lost to vLLM's on another, so the parameters are not
+constants (csrc/cpu/kernels.h, `CpuTuning`):
+
+  prefill_tile_rows   query rows (new tokens x GQA group) per prefill work item
+  lanes_tile_keys     keys per matrix-matrix tile (shared decode, prefill)
+  prefetch_distance   KV tiles prefetched ahead by the per-request decode tile
+
+`ensure_tuned(shape)` runs once per process and layer shape, at engine start
+(the metadata builder calls it). It reads the parameters from a cache file
+keyed by the CPU (`cpu_info.cpu_description()`), the kernel build (a hash of
+the compiled library) and the shape; without one, it measures: coordinate
+descent over `CANDIDATES`, each parameter timed on the synthetic workloads it
+affects (`WORKLOADS`), candidates interleaved in rotating order, a change kept
+only if it beats the current value by `MIN_GAIN`. That takes a few seconds;
+the result goes to the cache file and into the kernels, and is logged once.
+A cache file that cannot be read or does not match is measured again; the
+parameters change speed only, never results.
+
+`CHUNKATTN_CPU_TUNING=default` skips all of this and runs the built-in values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vllm_chunkattn import _C
+from vllm_chunkattn.kernels.cpu_info import cpu_description
+from vllm_chunkattn.prefix.plan import DecodeShape
+
+logger = logging.getLogger("vllm.chunkattn.kernels")  # in vLLM's hierarchy, see plugin.py
+
+ENV_VAR = "CHUNKATTN_CPU_TUNING"
+MODES = ("auto", "default")
+
+# Candidate values per parameter, the built-in default among them.
+CANDIDATES: dict[str, tuple[int, ...]] = {
+    "prefill_tile_rows": (32, 64, 128),
+    "lanes_tile_keys": (64, 128, 256, 512),
+    "prefetch_distance": (0, 1, 2),
+}
+# The synthetic workloads whose time each parameter changes.
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "prefill_tile_rows": ("prefill",),
+    "lanes_tile_keys": ("prefill", "shared_decode"),
+    "prefetch_distance": ("private_decode",),
+}
+MIN_GAIN = 0.03  # a candidate must be this much faster than the current value to replace it
+REPEATS = 5
+# The private-decode workload's KV: well beyond a last-level cache, so that
+# prefetching matters as it does in serving.
+PRIVATE_DECODE_KV_BYTES = 64 << 20
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTuning:
+    prefill_tile_rows: int = 64
+    lanes_tile_keys: int = 128
+    prefetch_distance: int = 1
+
+    def apply(self) -> None:
+        """Sets these values in the compiled kernels (checked against their limits there)."""
+        _C.set_cpu_tuning(**dataclasses.asdict(self))
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+def current() -> CpuTuning:
+    """The values the compiled kernels run with now."""
+    return CpuTuning(**_C.cpu_tuning())
+
+
+def mode() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(MODES)}; got {value!r}")
+    return value
+
+
+@functools.cache
+def kernel_build() -> str:
+    """A hash of the compiled CPU kernel library: a rebuild invalidates every cached tuning."""
+    return hashlib.sha256(Path(_C.__file__).read_bytes()).hexdigest()[:16]
+
+
+def tuning_key(shape: DecodeShape) -> dict:
+    """What a cached tuning is valid for: this CPU, this kernel build and ISA, this layer shape, this many threads."""
+    return {
+        "version": CACHE_VERSION,
+        "cpu": cpu_description(),
+        "isa": str(torch.ops.chunkattn.cpu_isa()),
+        "kernel_build": kernel_build(),
+        "threads": torch.get_num_threads(),
+        "shape": {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "head_size": shape.head_size,
+                  "block_size": shape.block_size, "dtype": str(shape.dtype).removeprefix("torch.")},
+    }
+
+
+def cache_dir() -> Path:
+    """Under vLLM's cache root (VLLM_CACHE_ROOT, default ~/.cache/vllm)."""
+    import vllm.envs
+
+    return Path(vllm.envs.VLLM_CACHE_ROOT) / "chunkattn" / "cpu-tuning"
+
+
+def cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.json"
+
+
+def load(path: Path, key: dict) -> CpuTuning | None:
+    """The tuning cached at `path` for `key`, or None (with the reason logged) if it is missing or unusable."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != key:
+            raise ValueError("it was measured for another CPU, kernel build or shape")
+        fields = {f.name for f in dataclasses.fields(CpuTuning)}
+        if set(record["tuning"]) != fields:
+            raise ValueError(f"its parameters are {sorted(record['tuning'])}, not {sorted(fields)}")
+        tuning = CpuTuning(**record["tuning"])
+        limits = _C.cpu_tuning_limits()
+        for name, value in dataclasses.asdict(tuning).items():
+            lo, hi = limits[name]
+            if not (isinstance(value, int) and lo <= value <= hi):
+                raise ValueError(f"{name}={value!r} is outside [{lo}, {hi}]")
+        return tuning
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("chunkattn: ignoring the CPU tuning cache %s (%s); measuring again.", path, e)
+        return None
+
+
+def save(path: Path, key: dict, tuning: CpuTuning, measured: dict, seconds: float) -> None:
+    """Writes the record atomically (a reader never sees half a file); a read-only cache only costs a warning."""
+    record = {"key": key, "tuning": dataclasses.asdict(tuning), "measured": measured, "seconds": round(seconds, 2),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("chunkattn: could not write the CPU tuning cache %s (%s); it will be measured again.", path, e)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def _random_cache(num_blocks: int, shape: DecodeShape, generator: torch.Generator) -> torch.Tensor:
+    cache = torch.empty(num_blocks, shape.num_kv_heads, shape.block_size, 2 * shape.head_size, dtype=shape.dtype)
+    return cache.uniform_(-1.0, 1.0, generator=generator)
+
+
+def _blocks(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
+    """One call per synthetic workload of `shape`, small enough that measuring takes seconds:
+    prefill        8 requests x 256 new tokens after 768 cached
+    shared_decode  32 requests sharing 1024 tokens, 1 private token each
+    private_decode 8 requests, nothing shared, PRIVATE_DECODE_KV_BYTES of KV in all."""
+    from vllm_chunkattn.kernels import ops
+    from vllm_chunkattn.prefix.tree import PrefixTreeCache
+
+    gen = torch.Generator().manual_seed(0)
+    bs, heads, d = shape.block_size, shape.num_heads, shape.head_size
+    scale = d**-0.5
+    calls: dict[str, Callable[[], None]] = {}
+
+    # prefill
+    reqs, new, ctx = 8, 256, 1024
+    per_req = _blocks(ctx, bs)
+    cache = _random_cache(reqs * per_req, shape, gen)
+    table = torch.arange(reqs * per_req, dtype=torch.int32).reshape(reqs, per_req)
+    seq_lens = torch.full((reqs,), ctx, dtype=torch.int32)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32) * new
+    query = torch.empty(reqs * new, heads, d, dtype=shape.dtype).uniform_(-1.0, 1.0, generator=gen)
+    out = torch.empty_like(query)
+    calls["prefill"] = lambda: ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, out)
+
+    def decode(batch: int, shared: int, context: int) -> Callable[[], None]:
+        shared_blocks, private_blocks = shared // bs, _blocks(context - shared, bs)
+        kv = _random_cache(shared_blocks + batch * private_blocks, shape, gen)
+        private = shared_blocks + torch.arange(batch * private_blocks, dtype=torch.int32).reshape(batch, -1)
+        table = torch.cat([torch.arange(shared_blocks, dtype=torch.int32).expand(batch, -1), private], dim=1)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        q = torch.empty(batch, heads, d, dtype=shape.dtype).uniform_(-1.0, 1.0, generator=gen)
+        o = torch.empty_like(q)
+        plan = ops.plan_tpp_decode(shape, table, lens, PrefixTreeCache().get(table, lens, bs))
+        return lambda: ops.tpp_decode(q, kv, plan, scale, o)
+
+    shared = _blocks(1024, bs) * bs
+    calls["shared_decode"] = decode(32, shared, shared + 1)
+    token_bytes = shape.num_kv_heads * 2 * d * shape.dtype.itemsize
+    batch = 8
+    context = max(bs, min(16384, PRIVATE_DECODE_KV_BYTES // token_bytes // batch // bs * bs))
+    calls["private_decode"] = decode(batch, 0, context)
+    return calls
+
+
+def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
+                     calls: list[Callable[[], None]]) -> dict[int, float]:
+    """Per candidate value of `name`: the sum over `calls` of each call's median time relative to the
+    first candidate's. Candidates run interleaved, in an order rotated by one per repetition."""
+    times: dict[int, list[list[float]]] = {c: [[] for _ in calls] for c in candidates}
+    for rep in range(REPEATS + 1):  # the first pass warms up
+        order = candidates[rep % len(candidates):] + candidates[:rep % len(candidates)]
+        for value in order:
+            dataclasses.replace(base, **{name: value}).apply()
+            for i, call in enumerate(calls):
+                start = time.perf_counter()
+                call()
+                if rep:
+                    times[value][i].append(time.perf_counter() - start)
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    first = candidates[0]
+    return {c: sum(median(times[c][i]) / median(times[first][i]) for i in range(len(calls))) for c in candidates}
+
+
+def measure(shape: DecodeShape) -> tuple[CpuTuning, dict]:
+    """Coordinate descent from the defaults (module docstring). Returns the tuning and, per parameter,
+    each candidate's relative time."""
+    calls = workloads(shape)
+    best = CpuTuning()
+    measured: dict[str, dict[str, float]] = {}
+    try:
+        for name, candidates in CANDIDATES.items():
+            cost = _time_candidates(name, candidates, best, [calls[w] for w in WORKLOADS[name]])
+            measured[name] = {str(c): round(v, 4) for c, v in cost.items()}
+            now = getattr(best, name)
+            winner = min(cost, key=cost.get)
+            if cost[winner] < cost[now] * (1.0 - MIN_GAIN):
+                best = dataclasses.replace(best, **{name: winner})
+    finally:
+        best.apply()
+    return best, measured
+
+
+# ---------------------------------------------------------------- entry point
+
+_tuned: dict[str, CpuTuning] = {}
+
+
+def ensure_tuned(shape: DecodeShape) -> CpuTuning:
+    """The tuning for `shape` on this CPU, applied to the kernels: from the cache, else measured
+    (and cached). Once per process and shape; logged once."""
+    if mode() == "default":
+        tuning = CpuTuning()
+        tuning.apply()
+        _log_once(f"chunkattn CPU kernels: built-in tile parameters ({ENV_VAR}=default): {tuning.describe()}.")
+        return tuning
+    key = tuning_key(shape)
+    path = cache_path(key)
+    if str(path) in _tuned:
+        tuning = _tuned[str(path)]
+        tuning.apply()
+        return tuning
+    tuning = load(path, key)
+    if tuning is not None:
+        how = f"from {path}"
+    else:
+        start = time.perf_counter()
+        tuning, measured = measure(shape)
+        seconds = time.perf_counter() - start
+        save(path, key, tuning, measured, seconds)
+        how = f"measured in {seconds:.1f} s, cached at {path}"
+    tuning.apply()
+    _tuned[str(path)] = tuning
+    cpu = key["cpu"]
+    _log_once(f"chunkattn CPU kernels on {cpu['cpu_model_name']} (family {cpu['cpu_family']} model "
+              f"{cpu['cpu_model']}, {key['isa']}), {key['shape']['dtype']} head size {shape.head_size}, "
+              f"{shape.num_heads}/{shape.num_kv_heads} heads, block {shape.block_size}: {tuning.describe()} ({how}).")
+    return tuning
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
