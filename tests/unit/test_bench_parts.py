@@ -184,3 +184,21 @@ def test_full_workloads_have_the_output_lengths_and_targets_of_issue_12():
     assert full["prefix_repetition-8192"].min_throughput_ratio == 2.0
     assert full["random-1024"].min_throughput_ratio == 1.0
     assert all(w.max_ttft_ratio == 1.0 for w in full.values())
+
+
+def test_the_burst_is_one_run_of_32_requests_behind_one_cached_prefix():
+    from vllm_chunkattn.bench import serve
+
+    args = serve.parse_args(["--request-rates", "0.5,1"])
+    chosen = {n: w for n, w in workloads(False).items() if n in ("burst-2048", "prefix_repetition-2048")}
+    runs = serve.plan_runs(args, chosen)
+    burst = [r for r in runs if r.workload.name == "burst-2048"]
+    assert [(r.mode, r.x, r.num_prompts) for r in burst] == [("concurrency", 32, 32)]  # no rate sweep of a burst
+    # One prefix for all 32: `vllm bench serve` sends the first prompt alone before timing, which caches it.
+    args_of = burst[0].workload.dataset_args
+    assert args_of[args_of.index("--prefix-repetition-num-prefixes") + 1] == "1"
+    assert args_of[args_of.index("--prefix-repetition-prefix-len") + 1] == "2048"
+    assert burst[0].workload.max_ttft_ratio == 1.0 and burst[0].workload.min_throughput_ratio is None
+    others = [r for r in runs if r.workload.name == "prefix_repetition-2048"]
+    assert [r.mode for r in others] == ["concurrency", "rate", "rate"]
+    assert others[0].num_prompts == args.num_prompts

@@ -148,8 +148,9 @@ def plan_runs(args: argparse.Namespace, chosen: dict[str, Workload]) -> list[Run
     swept = set(args.sweep_workloads.split(",")) if args.sweep_workloads else set(chosen)
     runs = []
     for w in chosen.values():
-        runs.append(Run(w, "concurrency", args.max_concurrency, round_up(args.num_prompts, w.num_prompts_multiple)))
-        if w.name in swept:
+        runs.append(Run(w, "concurrency", args.max_concurrency,
+                        round_up(w.num_prompts or args.num_prompts, w.num_prompts_multiple)))
+        if w.name in swept and w.num_prompts is None:  # a burst is one arrival pattern, not a rate
             for rate in args.rates:
                 n = max(8, round(rate * args.sweep_duration))
                 runs.append(Run(w, "rate", rate, round_up(n, w.num_prompts_multiple)))

@@ -22,6 +22,7 @@ class Workload:
     shared_tokens: int  # prompt tokens shared with other requests (n_s in the paper)
     output_tokens: int
     num_prompts_multiple: int = 1  # prefix_repetition makes num_prompts // num_prefixes per prefix
+    num_prompts: int | None = None  # a fixed number of requests (a burst); None: the run's --num-prompts
     tree: TreeShape | None = field(default=None)  # set: the dataset file is made by `prepare`
     # The project's targets, checked in the report; None: no target.
     min_throughput_ratio: float | None = None  # chunk/stock output tokens/s at max concurrency
@@ -123,5 +124,9 @@ def workloads(quick: bool) -> dict[str, Workload]:
             *shared(tree("tree", TreeShape(system_tokens=1024, num_groups=4, document_tokens=1024,
                                            question_tokens=32, output_tokens=128)), 1.15),
             replace(random_no_prefix("random-1024", 1024, 128), min_throughput_ratio=1.0, max_ttft_ratio=1.0),
+            # 32 requests at once behind one 2048-token prefix that is already cached (`vllm bench serve`
+            # sends the first prompt alone before timing): what users feel first is the TTFT.
+            replace(prefix_repetition("burst-2048", 2048, 64, 1, 64), num_prompts=32, max_ttft_ratio=1.0,
+                    description="a burst of 32 requests behind one cached 2048-token prefix, 64-token suffixes"),
         ]
     return {w.name: w for w in chosen}
