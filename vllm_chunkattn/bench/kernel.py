@@ -521,10 +521,16 @@ class PrefillPoint:
     head_dim: int
     chunk: int
     dtype: str
+    kv_heads: int = 0  # 0: heads (MHA)
+
+    def __post_init__(self) -> None:
+        if not self.kv_heads:
+            self.kv_heads = self.heads
 
     def label(self) -> str:
+        heads = f"h={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
         return (f"prefill {self.dtype} requests={self.requests} new={self.new} seq_len={self.context} "
-                f"h={self.heads} d={self.head_dim} c={self.chunk}")
+                f"{heads} d={self.head_dim} c={self.chunk}")
 
     def flops(self) -> int:
         """Causal: new token t (0-based) attends to context - new + t + 1 keys."""
@@ -533,14 +539,21 @@ class PrefillPoint:
 
     def nbytes(self) -> int:
         """KV of every request's context, its queries and its outputs."""
-        tokens = self.requests * (self.context * 2 + 2 * self.new)
-        return tokens * self.heads * self.head_dim * element_size(self.dtype)
+        kv = self.requests * self.context * 2 * self.kv_heads
+        queries_and_outputs = self.requests * 2 * self.new * self.heads
+        return (kv + queries_and_outputs) * self.head_dim * element_size(self.dtype)
 
 
 def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     if quick:
         return [PrefillPoint(2, 32, 64, 4, 64, 32, dtype)]
-    return [PrefillPoint(8, 512, 1024, 32, 128, 64, dtype), PrefillPoint(8, 512, 512, 32, 128, 64, dtype)]
+    return [
+        PrefillPoint(8, 512, 1024, 32, 128, 64, dtype), PrefillPoint(8, 512, 512, 32, 128, 64, dtype),
+        # Many requests with a few new tokens each behind a long cached prefix (a burst after a system prompt).
+        PrefillPoint(32, 16, 2048 + 16, 32, 128, 64, dtype), PrefillPoint(32, 64, 2048 + 64, 32, 128, 64, dtype),
+        # The serving benchmark's burst-2048 on its default model (bench-gqa: 16 query heads over 4 KV heads).
+        PrefillPoint(32, 64, 2048 + 64, 16, 128, 64, dtype, kv_heads=4),
+    ]
 
 
 def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callable[[], None] | None,
@@ -548,7 +561,8 @@ def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callabl
     from vllm import _custom_ops as vops
 
     dtype = DTYPES[p.dtype]
-    w = Workload("prefill", p.requests, [(p.context, 1)], p.context, 0, 0, p.heads, p.head_dim, p.chunk, p.dtype)
+    # The cache's shape: the KV heads.
+    w = Workload("prefill", p.requests, [(p.context, 1)], p.context, 0, 0, p.kv_heads, p.head_dim, p.chunk, p.dtype)
     table, num_blocks = block_tables(w, False, rng)
     cache = random_cache(num_blocks, w, dtype)
     seq_lens = torch.full((p.requests,), p.context, dtype=torch.int32)
@@ -563,7 +577,7 @@ def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callabl
 
     _, key_cache, value_cache = vllm_cache(cache, table, table, num_blocks)
     metadata = vops.cpu_attn_get_scheduler_metadata(
-        num_reqs=p.requests, num_heads=p.heads, num_kv_heads=p.heads, head_dim=p.head_dim, seq_lens=seq_lens,
+        num_reqs=p.requests, num_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.head_dim, seq_lens=seq_lens,
         dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=_vllm_isa(dtype, p.chunk),
         enable_kv_split=True)
     theirs_out = torch.empty_like(query)
@@ -639,7 +653,8 @@ def prefill_table(rows: list[dict]) -> str:
     for r in rows:
         p, times, bound = r["p"], r["times"], r["roofline"]
         ours, theirs = statistics.median(times["ours"]), statistics.median(times["vLLM"])
-        lines.append(f"| {p.dtype} | {p.requests} | {p.new} | {p.context} | {p.heads} | {p.head_dim} | {p.chunk} | "
+        heads = f"{p.heads}" + (f" / {p.kv_heads} KV" if p.kv_heads != p.heads else "")
+        lines.append(f"| {p.dtype} | {p.requests} | {p.new} | {p.context} | {heads} | {p.head_dim} | {p.chunk} | "
                      f"{time_cell(times['ours'])} | {time_cell(times['vLLM'])} | {theirs / ours:.2f}x | "
                      f"{fmt(bound.bound_ms)} | {ours / bound.bound_ms:.2f} | {bound.bound_by} | "
                      f"{p.flops() / (ours / 1e3) / 1e9:.1f} | {r['diffs']['vLLM']:.1e} |")
@@ -881,7 +896,8 @@ def main(argv: list[str] | None = None) -> int:
         p = planned_point.point
         bandwidth_samples.append(machine.sample_bandwidth(threads, machine_record, args.quick))
         # Ours runs with the tile parameters the engine would use for this shape on this CPU.
-        tuning = cpu_tuning.ensure_tuned(DecodeShape(p.heads, p.heads, p.head_dim, p.chunk, DTYPES[p.dtype]))
+        kv_heads = p.kv_heads if isinstance(p, PrefillPoint) else p.heads
+        tuning = cpu_tuning.ensure_tuned(DecodeShape(p.heads, kv_heads, p.head_dim, p.chunk, DTYPES[p.dtype]))
         tunings[planned_point.label()] = tuning
         if isinstance(p, PrefillPoint):
             result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
@@ -909,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
         bound = point_roofline(p, rates + bandwidth_samples, not args.warm, machine_record)
         if isinstance(p, PrefillPoint):
             base = dict(grid="prefill", n_p=p.context, n_s=0, n_c=p.new, batch=p.requests, heads=p.heads,
-                        head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype)
+                        kv_heads=p.kv_heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype)
         else:
             base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
                         batch=p.batch, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype,
@@ -942,8 +958,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shown = [i for i in IMPLS if i in impls]
     sections = report_header(args, env, machine_record, rates, bandwidth_samples, failures, below, others)
-    shapes = {f"{p.point.dtype} heads={p.point.heads} d={p.point.head_dim} chunk={p.point.chunk}": tunings[p.label()]
-              for p in planned}
+    shapes = {f"{p.point.dtype} heads={p.point.heads}/{getattr(p.point, 'kv_heads', p.point.heads)} "
+              f"d={p.point.head_dim} chunk={p.point.chunk}": tunings[p.label()] for p in planned}
     sections += ["", f"Tile parameters of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
                  f"{cpu_tuning.ENV_VAR}={cpu_tuning.mode()}): "
                  + "; ".join(f"{shape}: {t.describe()}" for shape, t in shapes.items())]
