@@ -1,0 +1,66 @@
+"""The step profile's attribution of profiler events to components, on a synthetic event tree
+(the command itself starts engines: it is run by hand, its tables are in docs/results/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from vllm_chunkattn.bench import step_profile as sp
+
+
+@dataclass
+class Event:
+    name: str
+    self_ms: float
+    total_ms: float
+    cpu_parent: "Event | None" = None
+
+    @property
+    def self_cpu_time_total(self) -> float:  # microseconds, as torch.profiler reports
+        return self.self_ms * 1e3
+
+    @property
+    def cpu_time_total(self) -> float:
+        return self.total_ms * 1e3
+
+
+def test_components_add_up_to_the_wall_time_and_ranges_count_once():
+    step = Event("execute_model", 5.0, 100.0)  # a vLLM range: its self time is Python, i.e. the rest
+    wrapper = Event("vllm::unified_attention_with_output", 0.5, 10.5, step)
+    build = Event(sp.BUILDER_RANGE, 0.2, 1.0, step)
+    events = [
+        step, wrapper, build,
+        Event("chunkattn::paged_prefill", 8.0, 8.0, wrapper),
+        Event("_C::cpu_attn_reshape_and_cache", 2.0, 2.0, wrapper),
+        Event("aten::to", 0.8, 0.8, build),  # inside the builder: counted with it, not as an op
+        Event("_C::onednn_mm", 50.0, 50.0, step),
+        Event("aten::silu", 4.0, 4.0, step),
+        Event(sp.SAMPLING_RANGE, 1.0, 3.0, step),
+        Event("aten::argmax", 2.0, 2.0, None),
+    ]
+    events[-1].cpu_parent = events[-2]
+    ms = sp.breakdown(events, wall_ms=110.0)
+    assert ms["attention"] == pytest.approx(0.5 + 8.0 + 2.0)
+    assert ms["builder"] == pytest.approx(1.0)
+    assert ms["linear"] == pytest.approx(50.0)
+    assert ms["sampling"] == pytest.approx(3.0)
+    assert ms["other ops"] == pytest.approx(4.0)
+    assert sum(ms.values()) == pytest.approx(110.0)
+    assert ms["rest"] == pytest.approx(110.0 - 10.5 - 1.0 - 50.0 - 3.0 - 4.0)
+
+
+@pytest.mark.parametrize("name,component", [
+    ("chunkattn::tpp_decode", "attention"), ("chunkattn::write_kv_cache", "attention"),
+    ("_C::cpu_attention_with_kv_cache", "attention"), ("aten::addmm", "linear"), ("_C::onednn_mm", "linear"),
+    ("_C::rotary_embedding", "other ops"), ("vllm::all_reduce", "other ops"), ("ProfilerStep#1", None),
+])
+def test_classify(name, component):
+    assert sp.classify(name) == component
+
+
+def test_arguments_are_validated():
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--decode-steps", "0"])
+    assert sp.parse_args([]).model_name == "bench-gqa"

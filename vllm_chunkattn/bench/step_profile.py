@@ -1,0 +1,287 @@
+"""Where an engine step's time goes, stock vLLM against `chunk`, on the same requests.
+
+For each backend a child process runs one in-process engine
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch.profiler sees the model runner)
+on a generated model (default bench-gqa), float32, blocks of 64:
+
+    a prefix of --shared tokens is cached first (one request alone), then
+    --batch requests with that prefix and --private own tokens each arrive
+    together; two phases are profiled:
+      burst   the requests' prefill (max_tokens=1): the TTFT of a burst
+      decode  the same kind of burst generating 1 + --decode-steps tokens,
+              minus a burst profile: the decode steps alone, per step
+
+Components, from the profiler's CPU times (the engine's thread):
+    attention  attention kernels and KV writes (ours: chunkattn::*; stock:
+               _C::cpu_attention_with_kv_cache, _C::cpu_attn_reshape_and_cache)
+    builder    the attention metadata builder's build() (ours: prefix tree + decode plan)
+    linear     matrix multiplies (_C::onednn_mm, aten::mm / addmm / bmm / linear)
+    sampling   vLLM's Sampler.forward
+    other ops  every other op (norms, activations, rotary embedding, ...)
+    rest       the phase's wall time outside all of the above: scheduling,
+               input preparation, output processing, Python
+
+Two limits for chunk's decode step against stock's:
+    attention free   stock / (chunk - chunk's attention)
+    at roofline      stock / (chunk - chunk's attention + the roofline of the
+                     step's attention: distinct KV bytes, the shared prefix
+                     once, over the measured read bandwidth, or flops over the
+                     measured peak, whichever is longer)
+
+    python -m vllm_chunkattn.bench.step_profile [--model-name bench] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COMPONENTS = ("attention", "builder", "linear", "sampling", "other ops", "rest")
+ATTENTION_OPS = ("chunkattn::", "_C::cpu_attention_with_kv_cache", "_C::cpu_attn_reshape_and_cache")
+LINEAR_OPS = ("_C::onednn_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+# record_function ranges this module wraps around vLLM's methods (totals, not self times).
+BUILDER_RANGE = "step_profile::attention_metadata_build"
+SAMPLING_RANGE = "step_profile::sampling"
+BACKENDS = ("stock", "chunk")
+
+
+def classify(name: str) -> str | None:
+    """The component of an op's self time; None for what is not an op (the profiler's and vLLM's ranges,
+    whose self time is Python between ops: the rest)."""
+    if name.startswith(ATTENTION_OPS + ("vllm::unified_",)):  # vllm::unified_*: the attention layer's Python
+        return "attention"
+    if name in LINEAR_OPS:
+        return "linear"
+    if "::" in name and not name.startswith("step_profile::"):
+        return "other ops"
+    return None
+
+
+RANGES = {BUILDER_RANGE: "builder", SAMPLING_RANGE: "sampling"}
+
+
+def _in_range(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in RANGES:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def breakdown(events, wall_ms: float) -> dict[str, float]:
+    """ms per component of one profiled phase (module docstring), from the profiler's event tree:
+    a builder or sampler range counts whole, the ops inside it not again."""
+    ms = dict.fromkeys(COMPONENTS, 0.0)
+    for e in events:
+        if _in_range(e):
+            continue
+        if e.name in RANGES:
+            ms[RANGES[e.name]] += e.cpu_time_total / 1e3
+        elif (component := classify(e.name)) is not None:
+            ms[component] += e.self_cpu_time_total / 1e3
+    ms["rest"] = wall_ms - sum(v for k, v in ms.items() if k != "rest")
+    return ms
+
+
+def _wrap_with_range(cls, method: str, range_name: str) -> None:
+    import torch
+
+    original = getattr(cls, method)
+
+    def wrapped(self, *args, **kwargs):
+        with torch.profiler.record_function(range_name):
+            return original(self, *args, **kwargs)
+
+    setattr(cls, method, wrapped)
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One backend's engine: profiles of the burst and of the decode steps."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_chunkattn.backend import ChunkAttentionMetadataBuilder
+    from vllm_chunkattn.testing.models import SPECS, ensure_model
+
+    _wrap_with_range(ChunkAttentionMetadataBuilder, "build", BUILDER_RANGE)
+    _wrap_with_range(CPUAttentionMetadataBuilder, "build", BUILDER_RANGE)
+    _wrap_with_range(Sampler, "forward", SAMPLING_RANGE)
+
+    model = ensure_model(args.model_name)
+    engine = dict(model=model, dtype="float32", block_size=64, max_num_seqs=args.batch, enforce_eager=True, seed=0,
+                  max_model_len=args.shared + args.private + args.decode_steps + 64, enable_prefix_caching=True)
+    if args.child == "chunk":
+        engine["attention_backend"] = "chunk"
+    llm = LLM(**engine)
+    vocab = llm.get_tokenizer().vocab_size
+    prefix = torch.randint(4, vocab, (args.shared,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def burst(seed: int) -> list:
+        g = torch.Generator().manual_seed(seed)
+        return [TokensPrompt(prompt_token_ids=prefix + torch.randint(4, vocab, (args.private,), generator=g).tolist())
+                for _ in range(args.batch)]
+
+    def run(seed: int, max_tokens: int, profiled: bool) -> tuple[float, dict[str, float] | None]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        prompts = burst(seed)
+        if not profiled:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return (time.perf_counter() - start) * 1e3, None
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = (time.perf_counter() - start) * 1e3
+        return wall, breakdown(prof.events(), wall)
+
+    llm.generate([TokensPrompt(prompt_token_ids=prefix)], SamplingParams(max_tokens=1), use_tqdm=False)
+    run(100, 1 + args.decode_steps, False)  # warm-up
+    burst_wall = [run(200 + i, 1, False)[0] for i in range(args.repeats)]
+    decode_wall = [run(300 + i, 1 + args.decode_steps, False)[0] for i in range(args.repeats)]
+    _, burst_ms = run(400, 1, True)
+    _, with_decode_ms = run(401, 1 + args.decode_steps, True)
+    decode_ms = {k: (with_decode_ms[k] - burst_ms[k]) / args.decode_steps for k in COMPONENTS}
+    spec = SPECS[args.model_name]
+    return {"backend": args.child, "model": args.model_name, "spec": spec,
+            "burst_wall_ms": burst_wall, "burst_ms": burst_ms,
+            "decode_step_wall_ms": [(d - b) / args.decode_steps for d, b in zip(decode_wall, burst_wall)],
+            "decode_step_ms": decode_ms}
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One backend's rounds as one result: per component the mean over rounds, the wall times pooled."""
+    out = dict(rounds[0])
+    for key in ("burst_ms", "decode_step_ms"):
+        out[key] = {c: sum(r[key][c] for r in rounds) / len(rounds) for c in COMPONENTS}
+    for key in ("burst_wall_ms", "decode_step_wall_ms"):
+        out[key] = [x for r in rounds for x in r[key]]
+    out["rounds"] = rounds
+    return out
+
+
+def attention_roofline_ms(args: argparse.Namespace, spec: dict, rates: list) -> float:
+    """The roofline of one decode step's attention over all layers, the shared prefix read once."""
+    from vllm_chunkattn.bench import machine
+
+    context = args.shared + args.private + args.decode_steps // 2  # the decode steps' mean context
+    per_token = spec["num_key_value_heads"] * spec["head_dim"] * 2 * 4  # K and V, float32
+    nbytes = (args.shared + args.batch * (context - args.shared)) * per_token * spec["num_hidden_layers"]
+    flops = 4 * args.batch * spec["num_attention_heads"] * spec["head_dim"] * context * spec["num_hidden_layers"]
+    return machine.roofline(nbytes, flops, "fp32", rates).bound_ms
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def report(args: argparse.Namespace, results: dict[str, dict], roofline_ms: float, machine_record: dict) -> str:
+    from vllm_chunkattn.bench import machine
+
+    lines = [f"# Step profile: {args.model_name}, {args.batch} requests behind a cached {args.shared}-token prefix, "
+             f"{args.private} own tokens each, float32, blocks of 64", "",
+             machine.describe_line(machine_record), "", machine.IDENTITY_LINE.format(machine_record["cpu_identity"]),
+             "", f"Command: `python -m vllm_chunkattn.bench.step_profile {' '.join(sys.argv[1:])}`", ""]
+    for phase, key, wall_key in (("burst (prefill of all requests: TTFT)", "burst_ms", "burst_wall_ms"),
+                                 (f"decode step (mean of {args.decode_steps})", "decode_step_ms", "decode_step_wall_ms")):
+        lines += [f"## {phase}", "", f"Profiled ms, mean of {args.rounds} engine runs per backend "
+                  "(alternating which goes first).", "", "| component | stock ms | chunk ms | chunk/stock | stock share | chunk share |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        stock, chunk = results["stock"][key], results["chunk"][key]
+        total_s, total_c = sum(stock.values()), sum(chunk.values())
+        for c in COMPONENTS:
+            ratio = f"{chunk[c] / stock[c]:.2f}" if stock[c] > 0.05 else "–"
+            lines.append(f"| {c} | {stock[c]:.1f} | {chunk[c]:.1f} | {ratio} | {stock[c] / total_s:.0%} | "
+                         f"{chunk[c] / total_c:.0%} |")
+        lines.append(f"| **profiled total** | **{total_s:.1f}** | **{total_c:.1f}** | **{total_c / total_s:.2f}** | | |")
+        ws, wc = _median(results["stock"][wall_key]), _median(results["chunk"][wall_key])
+        lines += ["", f"Unprofiled wall time, median of {args.repeats * args.rounds}: stock {ws:.1f} ms, chunk {wc:.1f} ms, "
+                  f"chunk/stock {wc / ws:.2f}."
+                  + (" (A decode step's is the difference of a run with and one without the decode steps: it carries "
+                     "the burst's run-to-run noise divided by --decode-steps.)" if key == "decode_step_ms" else ""), ""]
+    stock, chunk = results["stock"]["decode_step_ms"], results["chunk"]["decode_step_ms"]
+    total_s, total_c = sum(stock.values()), sum(chunk.values())
+    free = total_s / (total_c - chunk["attention"])
+    at_roof = total_s / (total_c - chunk["attention"] + roofline_ms)
+    lines += ["## Limits of the decode step (speedup over stock)", "",
+              f"- measured: {total_s / total_c:.2f}x (profiled totals)",
+              f"- if attention cost nothing: {free:.2f}x",
+              f"- if our attention ran at its roofline ({roofline_ms:.2f} ms for the step's layers): {at_roof:.2f}x",
+              f"- our attention is {chunk['attention'] / roofline_ms:.1f}x its roofline; stock's "
+              f"{stock['attention'] / roofline_ms:.1f}x of the same bound (which counts the prefix once)", ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-name", default="bench-gqa", help="generated model (vllm_chunkattn/testing/models.py)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--shared", type=int, default=2048, help="tokens of the cached prefix all requests share")
+    ap.add_argument("--private", type=int, default=64, help="each request's own prompt tokens")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="unprofiled timings per phase")
+    ap.add_argument("--rounds", type=int, default=2, help="engine runs per backend, alternating which goes first")
+    ap.add_argument("--out", type=Path, default=Path("results/step-profile"))
+    ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for name in ("batch", "shared", "private", "decode_steps", "repeats", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print("STEP_PROFILE_RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    from vllm_chunkattn.bench import machine
+    from vllm_chunkattn.testing.models import SPECS
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    machine_record = machine.describe_machine()
+    import torch
+
+    rates = [machine.measure_rates(torch.get_num_threads(), machine_record)]
+    rounds: dict[str, list[dict]] = {b: [] for b in BACKENDS}
+    for r in range(args.rounds):
+        # Alternate which backend goes first: the VM's speed drifts over minutes.
+        for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+            print(f"[round {r + 1}/{args.rounds}, {backend}] profiling (an engine start, then "
+                  f"{2 * args.repeats + 4} bursts) ...", flush=True)
+            cmd = [sys.executable, "-m", "vllm_chunkattn.bench.step_profile",
+                   *(argv if argv is not None else sys.argv[1:]), "--child", backend]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            found = [line for line in done.stdout.splitlines() if line.startswith("STEP_PROFILE_RESULT ")]
+            if done.returncode != 0 or not found:
+                tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+                print(f"[{backend}] FAILED (exit {done.returncode}):\n{tail}", file=sys.stderr)
+                return 1
+            rounds[backend].append(json.loads(found[0].removeprefix("STEP_PROFILE_RESULT ")))
+    results = {b: combine(rs) for b, rs in rounds.items()}
+    rates.append(machine.measure_rates(torch.get_num_threads(), machine_record))
+    roof = attention_roofline_ms(args, SPECS[args.model_name], rates)
+    text = report(args, results, roof, machine_record)
+    (args.out / "table.md").write_text(text + "\n")
+    (args.out / "results.json").write_text(json.dumps({"machine": machine_record, "args": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "attention_roofline_ms": roof,
+        "machine_rates": [machine.as_json(r) for r in rates], "results": results}, indent=1))
+    print(text)
+    print(f"wrote {args.out / 'table.md'} and {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
