@@ -155,19 +155,16 @@ CpuTuning& mutable_tuning() {
   static CpuTuning tuning;
   return tuning;
 }
-void check_range(const char* name, int value, int lo, int hi) {
-  TORCH_CHECK(value >= lo && value <= hi, "chunkattn: CPU tuning ", name, " must be in [", lo, ", ", hi, "], got ",
-              value);
-}
 }  // namespace
 
 const CpuTuning& cpu_tuning() { return mutable_tuning(); }
 
 void set_cpu_tuning(const CpuTuning& tuning) {
-  const CpuTuningLimits lim;
-  check_range("prefill_tile_rows", tuning.prefill_tile_rows, lim.min_prefill_tile_rows, lim.max_prefill_tile_rows);
-  check_range("lanes_tile_keys", tuning.lanes_tile_keys, lim.min_lanes_tile_keys, lim.max_lanes_tile_keys);
-  check_range("prefetch_distance", tuning.prefetch_distance, lim.min_prefetch_distance, lim.max_prefetch_distance);
+  for (const CpuTuningField& f : kCpuTuningFields) {
+    const int value = tuning.*f.value;
+    TORCH_CHECK(value >= f.min && value <= f.max, "chunkattn: CPU tuning ", f.name, " must be in [", f.min, ", ",
+                f.max, "], got ", value);
+  }
   mutable_tuning() = tuning;
 }
 

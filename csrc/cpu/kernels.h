@@ -95,14 +95,21 @@ struct CpuTuning {
   int lanes_tile_keys = 128;    // keys per attend_lanes tile, rounded down to whole chunks (at least one)
   int prefetch_distance = 1;    // attend_direct: KV tiles ahead of the one computed that are prefetched (0: none)
 };
-// Allowed ranges, [min, max] per field; set_cpu_tuning checks against them.
-struct CpuTuningLimits {
-  int min_prefill_tile_rows = 8, max_prefill_tile_rows = 512;
-  int min_lanes_tile_keys = 16, max_lanes_tile_keys = 2048;
-  int min_prefetch_distance = 0, max_prefetch_distance = 4;
+// Every parameter once: its name (the Python side's), its field and its
+// allowed range [min, max]. set_cpu_tuning checks against it, and the _C
+// module's cpu_tuning* functions are generated from it.
+struct CpuTuningField {
+  const char* name;
+  int CpuTuning::*value;
+  int min, max;
+};
+inline constexpr CpuTuningField kCpuTuningFields[] = {
+    {"prefill_tile_rows", &CpuTuning::prefill_tile_rows, 8, 512},
+    {"lanes_tile_keys", &CpuTuning::lanes_tile_keys, 16, 2048},
+    {"prefetch_distance", &CpuTuning::prefetch_distance, 0, 4},
 };
 const CpuTuning& cpu_tuning();
-void set_cpu_tuning(const CpuTuning& tuning);  // TORCH_CHECKs each field against CpuTuningLimits
+void set_cpu_tuning(const CpuTuning& tuning);  // TORCH_CHECKs each field against its range in kCpuTuningFields
 
 // Prefetches [p, p + bytes) into L2, for the tiles (the next K/V tile) and the
 // drivers (the next item's query rows). L2, not L1: an fp32 tile is larger

@@ -11,6 +11,12 @@
 
 namespace {
 std::string cpu_isa() { return chunkattn::cpu::active_isa(); }
+
+pybind11::dict tuning_dict(const chunkattn::cpu::CpuTuning& tuning) {
+  pybind11::dict d;
+  for (const auto& f : chunkattn::cpu::kCpuTuningFields) d[f.name] = tuning.*f.value;
+  return d;
+}
 }  // namespace
 
 TORCH_LIBRARY(chunkattn, m) {
@@ -63,33 +69,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Head sizes and dtypes (torch names) the CPU kernels are instantiated for (csrc/cpu/kernel_tables.h).");
   m.def(
-      "cpu_tuning",
-      [] {
-        const chunkattn::cpu::CpuTuning& t = chunkattn::cpu::cpu_tuning();
-        pybind11::dict d;
-        d["prefill_tile_rows"] = t.prefill_tile_rows;
-        d["lanes_tile_keys"] = t.lanes_tile_keys;
-        d["prefetch_distance"] = t.prefetch_distance;
-        return d;
-      },
+      "cpu_tuning", [] { return tuning_dict(chunkattn::cpu::cpu_tuning()); },
       "The CPU kernels' run-time tile parameters now (CpuTuning, csrc/cpu/kernels.h).");
+  m.def(
+      "cpu_tuning_defaults", [] { return tuning_dict(chunkattn::cpu::CpuTuning{}); },
+      "The built-in values of the CPU tile parameters.");
   m.def(
       "cpu_tuning_limits",
       [] {
-        const chunkattn::cpu::CpuTuningLimits lim;
         pybind11::dict d;
-        d["prefill_tile_rows"] = pybind11::make_tuple(lim.min_prefill_tile_rows, lim.max_prefill_tile_rows);
-        d["lanes_tile_keys"] = pybind11::make_tuple(lim.min_lanes_tile_keys, lim.max_lanes_tile_keys);
-        d["prefetch_distance"] = pybind11::make_tuple(lim.min_prefetch_distance, lim.max_prefetch_distance);
+        for (const auto& f : chunkattn::cpu::kCpuTuningFields) d[f.name] = pybind11::make_tuple(f.min, f.max);
         return d;
       },
       "[min, max] of each CPU tuning parameter.");
   m.def(
       "set_cpu_tuning",
-      [](int prefill_tile_rows, int lanes_tile_keys, int prefetch_distance) {
-        chunkattn::cpu::set_cpu_tuning({prefill_tile_rows, lanes_tile_keys, prefetch_distance});
+      [](const pybind11::dict& values) {
+        TORCH_CHECK(values.size() == std::size(chunkattn::cpu::kCpuTuningFields),
+                    "chunkattn: set_cpu_tuning needs every parameter of cpu_tuning_limits() and no other, got ",
+                    pybind11::str(values).cast<std::string>());
+        chunkattn::cpu::CpuTuning t;
+        for (const auto& f : chunkattn::cpu::kCpuTuningFields) {
+          TORCH_CHECK(values.contains(f.name), "chunkattn: set_cpu_tuning is missing ", f.name);
+          t.*f.value = values[f.name].cast<int>();
+        }
+        chunkattn::cpu::set_cpu_tuning(t);
       },
-      pybind11::kw_only(), pybind11::arg("prefill_tile_rows"), pybind11::arg("lanes_tile_keys"),
-      pybind11::arg("prefetch_distance"),
-      "Sets the CPU kernels' tile parameters (each checked against cpu_tuning_limits); call before kernels run.");
+      pybind11::arg("values"),
+      "Sets the CPU kernels' tile parameters from {name: value}, every one and each within cpu_tuning_limits(); "
+      "call before kernels run.");
 }

@@ -174,3 +174,14 @@ def test_a_bad_mode_is_refused_with_the_allowed_values(monkeypatch):
     monkeypatch.setenv(cpu_tuning.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="CHUNKATTN_CPU_TUNING must be one of auto, default; got 'fast'"):
         cpu_tuning.ensure_tuned(SMALL)
+
+
+def test_setting_needs_every_parameter_and_no_other():
+    before = cpu_tuning.current()
+    values = dataclasses.asdict(before)
+    with pytest.raises(RuntimeError, match="is missing prefetch_distance"):
+        _C.set_cpu_tuning({**{k: v for k, v in values.items() if k != "prefetch_distance"}, "prefetch": 1})
+    with pytest.raises(RuntimeError, match="every parameter of cpu_tuning_limits"):
+        _C.set_cpu_tuning({**values, "tile_cols": 8})
+    assert cpu_tuning.current() == before
+    assert _C.cpu_tuning_defaults() == dataclasses.asdict(cpu_tuning.CpuTuning())

@@ -126,6 +126,11 @@ class Workload:
     name: str = ""  # the serving benchmark's workload, for the serve grid
 
     @property
+    def kv_heads(self) -> int:
+        """The decode grids are MHA."""
+        return self.heads
+
+    @property
     def context(self) -> int:
         return sum(tokens for tokens, _ in self.segments)
 
@@ -544,6 +549,11 @@ class PrefillPoint:
         return (kv + queries_and_outputs) * self.head_dim * element_size(self.dtype)
 
 
+def point_shape(p: Workload | PrefillPoint) -> DecodeShape:
+    """The layer shape of a point: what ours is tuned for (kernels/cpu_tuning.py)."""
+    return DecodeShape(p.heads, p.kv_heads, p.head_dim, p.chunk, DTYPES[p.dtype])
+
+
 def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     if quick:
         return [PrefillPoint(2, 32, 64, 4, 64, 32, dtype)]
@@ -890,15 +900,13 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[agreement.Disagreement] = []
     start = time.time()
     bandwidth_samples: list[machine.MachineRates] = []
-    tunings: dict[str, cpu_tuning.CpuTuning] = {}
+    tunings: dict[DecodeShape, cpu_tuning.CpuTuning] = {}
     for planned_point in planned:
         progress.point(planned_point.label())
         p = planned_point.point
         bandwidth_samples.append(machine.sample_bandwidth(threads, machine_record, args.quick))
         # Ours runs with the tile parameters the engine would use for this shape on this CPU.
-        kv_heads = p.kv_heads if isinstance(p, PrefillPoint) else p.heads
-        tuning = cpu_tuning.ensure_tuned(DecodeShape(p.heads, kv_heads, p.head_dim, p.chunk, DTYPES[p.dtype]))
-        tunings[planned_point.label()] = tuning
+        tunings[point_shape(p)] = cpu_tuning.ensure_tuned(point_shape(p))
         if isinstance(p, PrefillPoint):
             result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
         else:
@@ -930,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
             base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
                         batch=p.batch, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype,
                         segments=p.segments)
-        base["cpu_tuning"] = dataclasses.asdict(tunings[planned_point.label()])
+        base["cpu_tuning"] = dataclasses.asdict(tunings[point_shape(p)])
         roofline_record = dict(base, impl="roofline", median_ms=bound.bound_ms, min_ms=bound.bound_ms,
                                max_ms=bound.bound_ms, **dataclasses.asdict(bound), memory_ms=bound.memory_ms,
                                compute_ms=bound.compute_ms, bound_by=bound.bound_by)
@@ -958,11 +966,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shown = [i for i in IMPLS if i in impls]
     sections = report_header(args, env, machine_record, rates, bandwidth_samples, failures, below, others)
-    shapes = {f"{p.point.dtype} heads={p.point.heads}/{getattr(p.point, 'kv_heads', p.point.heads)} "
-              f"d={p.point.head_dim} chunk={p.point.chunk}": tunings[p.label()] for p in planned}
     sections += ["", f"Tile parameters of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
                  f"{cpu_tuning.ENV_VAR}={cpu_tuning.mode()}): "
-                 + "; ".join(f"{shape}: {t.describe()}" for shape, t in shapes.items())]
+                 + "; ".join(f"{str(shape.dtype).removeprefix('torch.')} heads={shape.num_heads}/{shape.num_kv_heads} "
+                             f"d={shape.head_size} chunk={shape.block_size}: {t.describe()}"
+                             for shape, t in tunings.items())]
     for (grid, dtype), rows in rows_by_table.items():
         sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, shown)]
         skipped = sorted({f"{name}: {why}" for planned_point, result in results

@@ -66,15 +66,18 @@ PRIVATE_DECODE_KV_BYTES = 64 << 20
 CACHE_VERSION = 1
 
 
+_DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuTuning:
-    prefill_tile_rows: int = 64
-    lanes_tile_keys: int = 128
-    prefetch_distance: int = 1
+    prefill_tile_rows: int = _DEFAULTS["prefill_tile_rows"]
+    lanes_tile_keys: int = _DEFAULTS["lanes_tile_keys"]
+    prefetch_distance: int = _DEFAULTS["prefetch_distance"]
 
     def apply(self) -> None:
         """Sets these values in the compiled kernels (checked against their limits there)."""
-        _C.set_cpu_tuning(**dataclasses.asdict(self))
+        _C.set_cpu_tuning(dataclasses.asdict(self))
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
