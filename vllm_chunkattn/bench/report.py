@@ -194,19 +194,24 @@ def summary_table(records: list[dict], workloads: list[dict]) -> list[str]:
         "",
         "| workload | shared | output | output tok/s | per repeat | "
         + (f"without sharing ({unshared}) | due to sharing | " if unshared else "")
-        + "TTFT mean | TTFT p90 | TPOT mean |",
-        "|---|---:|---:|---:|---|" + ("---:|---:|" if unshared else "") + "---:|---:|---:|",
+        + "TTFT mean | per repeat | TTFT p90 | TPOT mean |",
+        "|---|---:|---:|---:|---|" + ("---:|---:|" if unshared else "") + "---:|---|---:|---:|",
     ]
     for w in workloads:
         pair = _pair(runs, w["name"], "concurrency", c)
         if len(pair) != 2 or any(r.get("timed_out") for r in pair.values()):
             continue
         tput = _pair_ratio(pair, "output_throughput")
-        each = ", ".join(f"{x:.2f}" for x in _repeat_ratios(runs, w["name"], "concurrency", c, "output_throughput"))
-        cells = [w["name"], str(w["shared_tokens"]), str(w["output_tokens"]), f"**{_fmt(tput, 2)}**", each]
+
+        def each(key: str) -> str:
+            return ", ".join(f"{x:.2f}" for x in _repeat_ratios(runs, w["name"], "concurrency", c, key))
+
+        cells = [w["name"], str(w["shared_tokens"]), str(w["output_tokens"]), f"**{_fmt(tput, 2)}**",
+                 each("output_throughput")]
         if unshared:
             cells += [_fmt(base, 2), _fmt(_ratio(tput, base), 2) if w["shared_tokens"] else "–"]
-        cells += [_fmt(_pair_ratio(pair, key), 2) for key in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms")]
+        cells += [_fmt(_pair_ratio(pair, "mean_ttft_ms"), 2), each("mean_ttft_ms")]
+        cells += [_fmt(_pair_ratio(pair, key), 2) for key in ("p90_ttft_ms", "mean_tpot_ms")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", "Output tok/s: above 1 is better; TTFT and TPOT: below 1 is better. Due to sharing: the "
                     "workload's ratio over the ratio without sharing (the part of the gain that is not the kernel "

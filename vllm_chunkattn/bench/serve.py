@@ -60,8 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="CI: tiny model, short prompts, a few dozen requests, no rate sweep; "
                     "exits non-zero unless both servers give identical greedy completions")
     ap.add_argument("--workloads", help="comma-separated subset (default: all of the mode; "
-                    "full: prefix_repetition-1024,prefix_repetition-2048,tree,random-1024; "
-                    "quick: prefix_repetition-256,tree,random-256)")
+                    f"full: {','.join(workloads(False))}; quick: {','.join(workloads(True))})")
     ap.add_argument("--servers", default="stock,chunk", help="which servers to run, in this order")
     ap.add_argument("--out", help="results folder (default: results/serve/<timestamp>)")
     ap.add_argument("--max-concurrency", type=int, default=32,
