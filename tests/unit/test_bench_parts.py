@@ -115,7 +115,7 @@ def test_report_table_ratios_and_plots(tmp_path):
     table = write_report(tmp_path, results)
     assert "| tree | **chunk/stock** | **1.50** | **1.50** |" in table
     assert "3/8 (timed out)" in table
-    assert "| tree | output throughput chunk/stock ≥ 1.4 | 1.50 | met |" in table
+    assert "| tree | output throughput chunk/stock ≥ 1.4 | 1.500 | met |" in table
     assert "| tree | 0.5 | 30.0 | 15.0 | **0.50** |" in table
     saved = json.loads((tmp_path / "results.json").read_text())  # strict JSON: NaN became null
     assert saved["runs"][3]["output_throughput"] is None
@@ -170,8 +170,8 @@ def test_report_takes_medians_over_alternated_repeats_and_shows_the_gain_due_to_
     assert "| random | 0 | 64 | **1.10** | 1.10, 1.10, 1.10 | 1.10 | – | 1.00 | 1.00, 1.00, 1.00 |" in table
     assert "| tree | stock | 1.00 | 100.0 (90.0–110.0) |" in table
     assert "24/24" in table  # completed summed over the repeats
-    assert "| tree | mean TTFT chunk/stock ≤ 1.0 | 1.20 | NOT met |" in table
-    assert "| tree | p90 TTFT chunk/stock ≤ 1.0 | 1.00 | met |" in table
+    assert "| tree | mean TTFT chunk/stock ≤ 1.0 | 1.200 | NOT met |" in table
+    assert "| tree | p90 TTFT chunk/stock ≤ 1.0 | 1.000 | met |" in table
 
 
 def test_full_workloads_have_the_output_lengths_and_targets_of_issue_12():

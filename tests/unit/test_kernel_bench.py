@@ -53,6 +53,22 @@ def test_kernel_benchmark_quick(tmp_path):
     assert (tmp_path / "table3.png").stat().st_size > 1000
 
 
+def test_kernel_benchmark_as_an_avx2_cpu(tmp_path):
+    """--as-avx2-cpu: ours, vLLM's and torch's kernels all in their AVX2 builds, the roofline from the AVX2 peak."""
+    cmd = [sys.executable, "-m", "vllm_chunkattn.bench.kernel", "--quick", "--grid", "tree", "--dtype", "fp32",
+           "--impls", "ours,PagedAttn*,SDPA", "--repeats", "2", "--warmup", "1", "--as-avx2-cpu", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["environment"]["as_avx2_cpu"] is True
+    assert results["machine"]["chunkattn_cpu_isa"] == "avx2"
+    assert results["environment"]["vllm_kernel_libraries"] == ["_C_AVX2.abi3.so"]
+    rooflines = [r for r in results["records"] if r["impl"] == "roofline"]
+    assert rooflines and all(r["peak_loop"] == "avx2_fma" for r in rooflines)
+    assert set(results["machine_rates"]["start"]["peak_gflops"]) == {"avx2_fma"}
+    assert "As on a CPU without AVX-512" in (tmp_path / "table.md").read_text()
+
+
 def test_a_wrong_implementation_fails_the_run(tmp_path, monkeypatch, capsys):
     """SDPA made wrong (a doubled softmax scale): the run exits 1 naming the point, SDPA and its difference,
     and reports no time of that point."""

@@ -64,6 +64,14 @@ in a model, the layer's KV was evicted by the other layers since its last
 step. `--warm` skips the flush; the roofline's memory term then counts only
 the bytes that cannot all fit in the caches.
 
+`--as-avx2-cpu` runs every implementation as on a CPU without AVX-512 (a
+Zen 3, say): our kernels' AVX2 build (CHUNKATTN_CPU_ISA=avx2), vLLM's AVX2
+build of its CPU kernels (vllm._C_AVX2, which vLLM loads where torch reports
+no AVX-512), torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) and oneDNN's
+(ONEDNN_MAX_CPU_ISA=AVX2); the roofline's compute term then takes the AVX2
+FMA peak. The process re-executes itself with that environment, which torch
+reads when it loads.
+
 Every results file records the machine (CPU, flags, caches, ISA of our
 kernels, torch, vLLM, commit); if the output folder holds results from
 another CPU, the report says so.
@@ -102,6 +110,10 @@ IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
 STEP_BOOKKEEPING = ("tree rebuild", "tree lookup", "decode plan")
 DENSE_IMPLS = ("Naive", "SDPA")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# --as-avx2-cpu (module docstring): the environment the benchmark re-executes itself with.
+AS_AVX2_CPU_ENV = {"CHUNKATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                   "CHUNKATTN_BENCH_AS_AVX2_CPU": "1"}
+AVX2_PEAK_LOOPS = ("avx2_fma",)
 DENSE_MAX_REPEATS = 5
 GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill"]
 # Share of the available memory a point's inputs may take; above it the dense
@@ -797,6 +809,12 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
                   *[f"- {d.message()}" for d in failures], ""]
     lines += [machine.describe_line(machine_record), "", machine.IDENTITY_LINE.format(machine_record["cpu_identity"]),
               "", *machine.other_cpu_warning(others)]
+    if env.get("as_avx2_cpu"):
+        lines += ["**As on a CPU without AVX-512 (`--as-avx2-cpu`): our kernels' AVX2 build, vLLM's AVX2 build of "
+                  "its CPU kernels, torch's and oneDNN's AVX2 kernels; the roofline's compute term from the AVX2 FMA "
+                  "peak.**", ""]
+    if env.get("vllm_kernel_libraries"):
+        lines += [f"vLLM's kernels loaded from: {', '.join(env['vllm_kernel_libraries'])}", ""]
     lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
     if bandwidth_samples:
         sampled = [s.read_bandwidth_gbps for s in bandwidth_samples]
@@ -837,6 +855,38 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
     return lines
 
 
+def as_avx2_cpu(argv: list[str] | None) -> None:
+    """--as-avx2-cpu: re-executes this benchmark with AS_AVX2_CPU_ENV (torch reads its ISA when it loads), then,
+    in that process, makes vLLM load its AVX2 kernels: it picks vllm._C_AVX2 where torch reports no AVX-512."""
+    if os.environ.get("CHUNKATTN_BENCH_AS_AVX2_CPU") != "1":
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "vllm_chunkattn.bench.kernel",
+                                   *(sys.argv[1:] if argv is None else argv)], {**os.environ, **AS_AVX2_CPU_ENV})
+    if "vllm._custom_ops" in sys.modules:
+        raise RuntimeError("--as-avx2-cpu: vLLM's kernels were loaded before their ISA could be chosen")
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+
+
+def loaded_vllm_kernel_libraries() -> list[str]:
+    """The builds of vLLM's compiled kernels this process has mapped (vllm/_C*.so: _C, _C_AVX512 or _C_AVX2)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({Path(line.split()[-1]).name for line in maps.splitlines()
+                   if "/vllm/_C" in line and line.rstrip().endswith(".so")})
+
+
+def avx2_rates(rates: machine.MachineRates) -> machine.MachineRates:
+    """The machine's rates with only the AVX2 peak loops: the roofline of a CPU without AVX-512."""
+    def keep(peaks: dict[str, float]) -> dict[str, float]:
+        return {loop: gflops for loop, gflops in peaks.items() if loop in AVX2_PEAK_LOOPS}
+
+    return dataclasses.replace(rates, peak_gflops=keep(rates.peak_gflops),
+                               peak_gflops_one_core=keep(rates.peak_gflops_one_core))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", default="all", choices=GRIDS + ["all"])
@@ -850,10 +900,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall: wall-clock, torch's threads; cpu: one thread, its CPU time (robust to other load)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the GPU kernels on the same grids (vllm_chunkattn.bench.kernel_gpu)")
+    parser.add_argument("--as-avx2-cpu", action="store_true",
+                        help="every implementation as on a CPU without AVX-512: ours, vLLM's and torch's AVX2 "
+                             "kernels, the roofline from the AVX2 FMA peak")
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         sys.exit(run_on_gpu(args))
+    if args.as_avx2_cpu:
+        as_avx2_cpu(argv)
 
     impls = [i for i in IMPLS if i in args.impls.split(",")]
     global _CLOCK
@@ -880,12 +935,16 @@ def main(argv: list[str] | None = None) -> int:
     for line in others:
         print(f"WARNING: {out_dir} holds results of another CPU: {line}", flush=True)
     threads = torch.get_num_threads()
-    rates = [machine.measure_rates(threads, machine_record, args.quick)]
+    measure_rates = machine.measure_rates
+    if args.as_avx2_cpu:
+        def measure_rates(*a):
+            return avx2_rates(machine.measure_rates(*a))
+    rates = [measure_rates(threads, machine_record, args.quick)]
     print(machine.rates_line("machine rates at the start", rates[0]), flush=True)
     env = {
         "threads": threads, "loadavg_start": os.getloadavg(), "flush_cache": not args.warm,
         "clock": args.clock, "repeats": args.repeats, "warmup": args.warmup, "argv": sys.argv if argv is None else
-        ["kernel.py", *argv], "impls": impls,
+        ["kernel.py", *argv], "impls": impls, "as_avx2_cpu": args.as_avx2_cpu,
     }
     if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
         print(f"WARNING: load average {os.getloadavg()} on {os.cpu_count()} cores: other processes share the "
@@ -919,9 +978,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {name} left out: {why}", flush=True)
         if result.times:
             print("    " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()), flush=True)
-    rates.append(machine.measure_rates(threads, machine_record, args.quick))
+    rates.append(measure_rates(threads, machine_record, args.quick))
     print(machine.rates_line("machine rates at the end", rates[1]), flush=True)
     env["loadavg_end"] = os.getloadavg()
+    env["vllm_kernel_libraries"] = loaded_vllm_kernel_libraries()
     env["seconds"] = round(time.time() - start)
 
     records: list[dict] = []

@@ -258,18 +258,18 @@ def targets_table(records: list[dict], workloads: list[dict]) -> list[str]:
             got = _pair_ratio(pair, "output_throughput")
             ok = got is not None and got >= w["min_throughput_ratio"]
             rows.append(f"| {w['name']} | output throughput chunk/stock ≥ {w['min_throughput_ratio']} "
-                        f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
+                        f"| {_fmt(got, 3)} | {'met' if ok else 'NOT met'} |")
         if w.get("max_p90_latency_ratio") is not None:
             got = _pair_ratio(pair, "p90_normalised_latency_ms")
             ok = got is not None and got <= w["max_p90_latency_ratio"]
             rows.append(f"| {w['name']} | p90 normalised latency chunk/stock ≤ {w['max_p90_latency_ratio']} "
-                        f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
+                        f"| {_fmt(got, 3)} | {'met' if ok else 'NOT met'} |")
         if w.get("max_ttft_ratio") is not None:
             for label, key in (("mean", "mean_ttft_ms"), ("p90", "p90_ttft_ms")):
                 got = _pair_ratio(pair, key)
                 ok = got is not None and got <= w["max_ttft_ratio"]
                 rows.append(f"| {w['name']} | {label} TTFT chunk/stock ≤ {w['max_ttft_ratio']} "
-                            f"| {_fmt(got, 2)} | {'met' if ok else 'NOT met'} |")
+                            f"| {_fmt(got, 3)} | {'met' if ok else 'NOT met'} |")
     if not rows:
         return []
     return ["### Targets", "", "| workload | target | measured | |", "|---|---|---:|---|", *rows, ""]
