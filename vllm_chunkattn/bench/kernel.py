@@ -111,8 +111,9 @@ STEP_BOOKKEEPING = ("tree rebuild", "tree lookup", "decode plan")
 DENSE_IMPLS = ("Naive", "SDPA")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # --as-avx2-cpu (module docstring): the environment the benchmark re-executes itself with.
+AS_AVX2_CPU_MARKER = "CHUNKATTN_BENCH_AS_AVX2_CPU"  # set in the re-executed process
 AS_AVX2_CPU_ENV = {"CHUNKATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                   "CHUNKATTN_BENCH_AS_AVX2_CPU": "1"}
+                   AS_AVX2_CPU_MARKER: "1"}
 AVX2_PEAK_LOOPS = ("avx2_fma",)
 DENSE_MAX_REPEATS = 5
 GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill"]
@@ -858,7 +859,7 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
 def as_avx2_cpu(argv: list[str] | None) -> None:
     """--as-avx2-cpu: re-executes this benchmark with AS_AVX2_CPU_ENV (torch reads its ISA when it loads), then,
     in that process, makes vLLM load its AVX2 kernels: it picks vllm._C_AVX2 where torch reports no AVX-512."""
-    if os.environ.get("CHUNKATTN_BENCH_AS_AVX2_CPU") != "1":
+    if os.environ.get(AS_AVX2_CPU_MARKER) != "1":
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "vllm_chunkattn.bench.kernel",
                                    *(sys.argv[1:] if argv is None else argv)], {**os.environ, **AS_AVX2_CPU_ENV})
@@ -935,11 +936,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in others:
         print(f"WARNING: {out_dir} holds results of another CPU: {line}", flush=True)
     threads = torch.get_num_threads()
-    measure_rates = machine.measure_rates
-    if args.as_avx2_cpu:
-        def measure_rates(*a):
-            return avx2_rates(machine.measure_rates(*a))
-    rates = [measure_rates(threads, machine_record, args.quick)]
+
+    def measure_rates() -> machine.MachineRates:
+        rates = machine.measure_rates(threads, machine_record, args.quick)
+        return avx2_rates(rates) if args.as_avx2_cpu else rates
+
+    rates = [measure_rates()]
     print(machine.rates_line("machine rates at the start", rates[0]), flush=True)
     env = {
         "threads": threads, "loadavg_start": os.getloadavg(), "flush_cache": not args.warm,
@@ -965,7 +967,8 @@ def main(argv: list[str] | None = None) -> int:
         p = planned_point.point
         bandwidth_samples.append(machine.sample_bandwidth(threads, machine_record, args.quick))
         # Ours runs with the tile parameters the engine would use for this shape on this CPU.
-        tunings[point_shape(p)] = cpu_tuning.ensure_tuned(point_shape(p))
+        shape = point_shape(p)
+        tunings[shape] = cpu_tuning.ensure_tuned(shape)
         if isinstance(p, PrefillPoint):
             result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
         else:
@@ -978,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {name} left out: {why}", flush=True)
         if result.times:
             print("    " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()), flush=True)
-    rates.append(measure_rates(threads, machine_record, args.quick))
+    rates.append(measure_rates())
     print(machine.rates_line("machine rates at the end", rates[1]), flush=True)
     env["loadavg_end"] = os.getloadavg()
     env["vllm_kernel_libraries"] = loaded_vllm_kernel_libraries()
@@ -1028,9 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = report_header(args, env, machine_record, rates, bandwidth_samples, failures, below, others)
     sections += ["", f"Tile parameters of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
                  f"{cpu_tuning.ENV_VAR}={cpu_tuning.mode()}): "
-                 + "; ".join(f"{str(shape.dtype).removeprefix('torch.')} heads={shape.num_heads}/{shape.num_kv_heads} "
-                             f"d={shape.head_size} chunk={shape.block_size}: {t.describe()}"
-                             for shape, t in tunings.items())]
+                 + "; ".join(f"{shape.describe()}: {t.describe()}" for shape, t in tunings.items())]
     for (grid, dtype), rows in rows_by_table.items():
         sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, shown)]
         skipped = sorted({f"{name}: {why}" for planned_point, result in results

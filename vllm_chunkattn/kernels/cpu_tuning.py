@@ -110,7 +110,7 @@ def tuning_key(shape: DecodeShape) -> dict:
         "kernel_build": kernel_build(),
         "threads": torch.get_num_threads(),
         "shape": {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "head_size": shape.head_size,
-                  "block_size": shape.block_size, "dtype": str(shape.dtype).removeprefix("torch.")},
+                  "block_size": shape.block_size, "dtype": shape.dtype_name},
     }
 
 
@@ -291,8 +291,7 @@ def ensure_tuned(shape: DecodeShape) -> CpuTuning:
     _tuned[str(path)] = tuning
     cpu = key["cpu"]
     _log_once(f"chunkattn CPU kernels on {cpu['cpu_model_name']} (family {cpu['cpu_family']} model "
-              f"{cpu['cpu_model']}, {key['isa']}), {key['shape']['dtype']} head size {shape.head_size}, "
-              f"{shape.num_heads}/{shape.num_kv_heads} heads, block {shape.block_size}: {tuning.describe()} ({how}).")
+              f"{cpu['cpu_model']}, {key['isa']}), {shape.describe()}: {tuning.describe()} ({how}).")
     return tuning
 
 

@@ -40,6 +40,14 @@ class DecodeShape:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def describe(self) -> str:
+        return (f"{self.dtype_name}, {self.num_heads}/{self.num_kv_heads} heads of {self.head_size}, "
+                f"block {self.block_size}")
+
     @classmethod
     def of_layer(cls, query: torch.Tensor, kv_cache: torch.Tensor) -> DecodeShape:
         """The shape of one layer's inputs: query [B, num_heads, head_size],
