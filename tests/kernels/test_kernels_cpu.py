@@ -35,6 +35,7 @@ from vllm_chunkattn import _C
 from vllm_chunkattn.kernels import cpu_tuning, ops, torch_fallback
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix import tree
+from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.testing import reference
 from vllm_chunkattn.prefix.plan import DecodeShape
 
@@ -342,6 +343,89 @@ def test_tpp_decode_rejects_unsupported_head_size():
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
     with pytest.raises(RuntimeError, match="head size 72 is not supported"):
         ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), 1.0, torch.empty_like(case["query"]))
+
+
+# ---------------------------------------------------------------------------
+# Tree rows of any query length (prefix/query_rows.py): speculative decodes,
+# short suffixes after a prefix-cache hit, mixed with decode rows
+
+
+@st.composite
+def multi_row_cases(draw, dtypes=tuple(DTYPES), head_sizes=tuple(HEAD_SIZES), max_query_len: int = 64):
+    """A decode case's tree, each request with 0 to 64 new tokens ending its
+    context: one (a decode) often, and often exactly enough that the computed
+    context ends on either side of a chunk boundary."""
+    case = draw(decode_cases(max_batch=16, dtypes=dtypes, head_sizes=head_sizes))
+    block_size = case["kv_cache"].shape[2]
+    query_lens = []
+    for seq_len in case["seq_lens"].tolist():
+        hi = min(seq_len, max_query_len)
+        boundary = (seq_len - 1) // block_size * block_size  # the last chunk boundary inside the context
+        near = [seq_len - c for c in (boundary - 1, boundary, boundary + 1) if 0 <= seq_len - c <= hi]
+        query_lens.append(draw(st.one_of(st.just(1), st.integers(0, hi), st.sampled_from(near or [1]))))
+    query_lens = torch.tensor(query_lens, dtype=torch.int32)
+    assume(int(query_lens.sum()) > 0)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    _, num_heads, head_size = case["query"].shape
+    pad = case["pad"]
+    case["query"] = torch.randn(int(qsl[-1]), num_heads, head_size + pad, generator=gen).to(case["dtype"])[..., :head_size]
+    case["query_start_loc"] = qsl
+    case["rows"] = expand_query_rows(case["block_table"], case["seq_lens"], query_lens)
+    return case
+
+
+def _rows_plan(case, ctx):
+    rows = case["rows"]
+    shape = DecodeShape.of_layer(case["query"], case["kv_cache"])
+    return ops.plan_tpp_decode(shape, rows.block_table, rows.seq_lens, ctx)
+
+
+def _rows_tree(case):
+    rows = case["rows"]
+    return tree.prefix_tree(rows.block_table, rows.unmasked_lens, case["kv_cache"].shape[2])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@PER_COMBINATION
+@given(data=st.data())
+def test_tpp_decode_rows_of_any_length_match_reference(isa, dtype, data):
+    """Every query token a row of the two-phase partition: the causal prefill's result."""
+    case = data.draw(multi_row_cases(dtypes=(dtype,)))
+    ctx = _rows_tree(case)
+    ref = _prefill_reference(case)
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _rows_plan(case, ctx),
+                                                  case["scale"], out),
+                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode rows, nodes={ctx.num_nodes}",
+                  data.draw(tunings()))
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(case=multi_row_cases(max_query_len=16))
+def test_torch_tpp_decode_rows_of_any_length_match_reference(case):
+    ctx = _rows_tree(case)
+    rows = case["rows"]
+    out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], rows.block_table, rows.seq_lens, ctx,
+                                   case["scale"])
+    assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.tpp_decode rows")
+
+
+def test_rows_of_one_request_share_its_context_and_not_its_new_tokens():
+    """Two requests on one 3-chunk prefix, with 5 and 1 new tokens: one node over
+    the prefix covers all 6 rows; the 5 rows of the first also share its private
+    chunk; no node reaches a chunk holding a new token."""
+    block_size = 16
+    table = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 6, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([70, 60], dtype=torch.int32)  # first: context 65 (chunks 0-3 full), new 65..69
+    rows = expand_query_rows(table, seq_lens, torch.tensor([5, 1]))
+    assert rows.seq_lens.tolist() == [66, 67, 68, 69, 70, 60]
+    assert rows.unmasked_lens.tolist() == [66] * 5 + [60]
+    ctx = tree.prefix_tree(rows.block_table, rows.unmasked_lens, block_size)
+    order = ctx.order.tolist()
+    nodes = {(frozenset(order[b:e]), cb, ce) for b, e, cb, ce in zip(
+        ctx.node_begin.tolist(), ctx.node_end.tolist(), ctx.node_chunk_begin.tolist(), ctx.node_chunk_end.tolist())}
+    assert nodes == {(frozenset(range(6)), 0, 3), (frozenset(range(5)), 3, 4)}
 
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_chunkattn.backend import ChunkAttentionMetadataBuilder
 from vllm_chunkattn.backend.stats import DecodeTotals, format_run_summary, parse_run_summaries
+from vllm_chunkattn.kernels import ops
+from vllm_chunkattn.kernels.support import CPU
+from vllm_chunkattn.testing import reference
 from vllm_chunkattn.testing.models import ensure_model
 
 BLOCK_SIZE = 32
@@ -115,7 +118,7 @@ def test_pure_decode_batch():
     assert_prefills(meta, cm, [], num_decodes=3)
 
 
-@pytest.mark.parametrize("leading_query_len", [2, 64])
+@pytest.mark.parametrize("leading_query_len", [CPU.tree_max_query_len + 1, 64])
 def test_pure_prefill_batch(leading_query_len):
     builder = make_builder()
     prefills = [Req([9, 10], 60, leading_query_len)] + PREFILLS
@@ -125,6 +128,54 @@ def test_pure_prefill_batch(leading_query_len):
     assert meta.decode_plan is None
     assert_prefills(meta, cm, prefills, num_decodes=0)
     assert builder.stats.run.steps == 0  # no decode step to report
+
+
+def test_requests_with_few_new_tokens_take_the_tree_path():
+    """A speculative decode (1 + 3 tokens) and a short suffix after a prefix hit
+    become one plan row per query token, in query order, each attending up to
+    its own token; the rows of both requests share the prefix's chunks."""
+    builder = make_builder()
+    assert builder.reorder_batch_threshold == CPU.tree_max_query_len
+    spec = Req([1, 2, 3], 80, 4)  # context 76: chunks 0, 1 full and unmasked
+    suffix = Req([1, 2, 11], 70, 6)  # context 64: chunks 0, 1
+    cm = batch_metadata([DECODES[0], spec, suffix] + PREFILLS)
+    meta = builder.build(0, cm)
+    assert meta.num_decodes == 3 and meta.num_decode_tokens == 1 + 4 + 6
+    plan = meta.decode_plan
+    assert plan.batch == 11
+    assert plan.seq_lens.tolist() == [70, 77, 78, 79, 80, 65, 66, 67, 68, 69, 70]
+    assert plan.block_table[:, :3].tolist() == [[1, 2, 3]] * 5 + [[1, 2, 11]] * 6
+    assert (0, 2) in {(cb, ce) for cb, ce in zip(plan.context.node_chunk_begin.tolist(),
+                                                 plan.context.node_chunk_end.tolist())}
+    assert plan.context.shared_chunks.tolist() == [2] * 11
+    assert_prefills(meta, cm, PREFILLS, num_decodes=3)
+
+
+def test_a_block_computed_in_this_step_is_context_only_for_the_request_that_hit_it():
+    """Request A computes its third chunk (block 3) in this step; vLLM already
+    registered the block, and request B hit it. Block 3 is context for B and not
+    for A: no node may serve it to A's rows (they must not see its later
+    tokens). The step's attention matches the causal reference."""
+    builder = make_builder()
+    a = Req([1, 2, 3], 3 * BLOCK_SIZE, 16)  # tokens 80..95 new: block 3 fills in this step
+    b = Req([1, 2, 3, 4], 3 * BLOCK_SIZE + 4, 4)  # context 96 = blocks 1, 2, 3
+    cm = batch_metadata([a, b])
+    meta = builder.build(0, cm)
+    plan = meta.decode_plan
+    nodes = tree_nodes(plan.context)
+    a_rows, b_rows = frozenset(range(16)), frozenset(range(16, 20))
+    assert (a_rows | b_rows, 0, 2) in nodes
+    assert all(not (rows & a_rows) for rows, _, end in nodes if end > 2)
+    assert (b_rows, 2, 3) in nodes
+    assert plan.context.shared_chunks.tolist() == [2] * 16 + [3] * 4
+
+    gen = torch.Generator().manual_seed(0)
+    spec = builder.kv_cache_spec
+    kv = torch.randn(5, spec.num_kv_heads, BLOCK_SIZE, 2 * spec.head_size, generator=gen)
+    query = torch.randn(20, builder.decode_shape.num_heads, spec.head_size, generator=gen)
+    out = ops.tpp_decode(query, kv, plan, 0.125, torch.empty_like(query))
+    ref = reference.paged_attention(query, kv, cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 
 def test_decode_steps_are_recorded_for_the_log():

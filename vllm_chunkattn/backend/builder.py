@@ -1,11 +1,13 @@
-"""Per step: the metadata builder, which splits the batch and plans the decode step.
+"""Per step: the metadata builder, which splits the batch and plans the tree step.
 
-The builder splits the batch into decode requests (one new token) and
-prefill requests (many: prefill, chunked prefill, prefill after a
-prefix-cache hit), derives the prefix tree of the decode requests from
-their block tables (prefix/tree.py, cached across steps) and builds the
-step's decode plan (prefix/plan.py) once, for every layer to run. On CUDA
-the tree context and the plan live in fixed-capacity device buffers
+The builder splits the batch into tree requests (at most the platform's
+`tree_max_query_len` new tokens: decodes, speculative decodes, short
+suffixes after a prefix-cache hit) and prefill requests (more: prefill,
+chunked prefill), makes one row per query token of the tree requests
+(prefix/query_rows.py), derives the prefix tree of those rows from their
+block tables (prefix/tree.py, cached across steps) and builds the step's
+plan (prefix/plan.py) once, for every layer to run. On CUDA the tree
+context and the plan live in fixed-capacity device buffers
 (prefix/device_buffers.py, DecodeWork), so pure-decode batches run under
 vLLM's full CUDA graphs.
 """
@@ -31,6 +33,7 @@ from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.kernels.support import CUDA, for_platform, names
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
+from vllm_chunkattn.prefix.query_rows import TreeRows, expand_query_rows
 from vllm_chunkattn.prefix.tree import PrefixTreeCache
 
 # Capacity of the device tree context per decode request slot: partial-result
@@ -43,10 +46,11 @@ CUDA_PARTIAL_ROWS_PER_REQUEST = 4
 class ChunkAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
-    # Decode requests come first in the batch (reorder_batch_threshold = 1).
+    # Tree requests come first in the batch (reorder_batch_threshold); their
+    # query tokens are the plan's rows, one each (on CUDA one per request).
     num_decodes: int
     num_decode_tokens: int
-    decode_plan: DecodePlan | None  # for every layer of the KV-cache group; None without decodes
+    decode_plan: DecodePlan | None  # for every layer of the KV-cache group; None without tree requests
     # Prefill requests follow; their query rows start at num_decode_tokens.
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1], rebased to 0
     prefill_seq_lens: torch.Tensor
@@ -54,7 +58,8 @@ class ChunkAttentionMetadata:
 
 
 class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetadata]):
-    # Ask the runner to put single-token requests first, so decodes are one slice.
+    # Ask the runner to put the tree requests first, so they are one slice
+    # (set per platform in __init__).
     reorder_batch_threshold: int | None = 1
 
     @classmethod
@@ -96,7 +101,8 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             dtype=kv_cache_spec.dtype,
         )
         on_cuda = torch.device(device).type == "cuda"
-        block_sizes = for_platform(on_cuda).block_sizes
+        support = for_platform(on_cuda)
+        block_sizes = support.block_sizes
         if self.block_size not in block_sizes:
             raise ValueError(
                 f"{BACKEND_NAME} does not support block size {self.block_size} "
@@ -135,6 +141,10 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             # The CPU kernels' tile parameters for this shape on this CPU: from
             # the tuning cache, else measured now (seconds; logged once).
             cpu_tuning.ensure_tuned(self.decode_shape)
+        # Speculative decoding's rows of 1 + k tokens take the tree path
+        # (vLLM raises the threshold to them) where rows of several tokens do.
+        self._init_reorder_batch_threshold(support.tree_max_query_len,
+                                           supports_spec_as_decode=support.tree_max_query_len > 1)
         self.tree_cache = PrefixTreeCache()
         self.stats = DecodeStats(self.block_size)
         logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
@@ -147,7 +157,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
     ) -> ChunkAttentionMetadata:
         cm = common_attn_metadata
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
-            cm, decode_threshold=1
+            cm, decode_threshold=self.reorder_batch_threshold
         )
         num_reqs = num_decodes + num_prefills
         block_table = cm.block_table_tensor[:num_reqs]
@@ -155,9 +165,14 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         on_device = cm.seq_lens.device.type != "cpu"
         decode_plan = None
         if num_decodes:
-            decode_plan = self._plan_decodes(
-                block_table[:num_decodes], cm.seq_lens[:num_decodes], host_seq_lens[:num_decodes]
-            )
+            if num_decode_tokens > num_decodes:  # some tree request has several new tokens (CPU only)
+                qsl = cm.query_start_loc_cpu[: num_decodes + 1]
+                rows = expand_query_rows(block_table[:num_decodes], host_seq_lens[:num_decodes], qsl[1:] - qsl[:-1])
+                host_rows = rows
+            else:  # one row per request (on CUDA also in a graph batch padded with empty requests)
+                rows = TreeRows(block_table[:num_decodes], cm.seq_lens[:num_decodes], cm.seq_lens[:num_decodes])
+                host_rows = TreeRows(rows.block_table, host_seq_lens[:num_decodes], host_seq_lens[:num_decodes])
+            decode_plan = self._plan_rows(rows, host_rows)
         if on_device:
             # vLLM's own persistent device tensors, so that a captured decode
             # graph reads this step's values on replay.
@@ -176,10 +191,10 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             prefill_block_table=block_table[num_decodes:],
         )
 
-    def _plan_decodes(
-        self, block_table: torch.Tensor, seq_lens: torch.Tensor, host_seq_lens: torch.Tensor
-    ) -> DecodePlan:
-        """The decode requests' tree (from host copies) and the step's plan."""
+    def _plan_rows(self, rows: TreeRows, host_rows: TreeRows) -> DecodePlan:
+        """The rows' tree (from the host copies of their lengths) and the step's plan."""
+        block_table, seq_lens = rows.block_table, rows.seq_lens
+        host_seq_lens = host_rows.seq_lens
         if block_table.device.type == "cpu":
             host_table = block_table
         else:
@@ -188,9 +203,9 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             # builder's reach: CommonAttentionMetadata carries only the device
             # tensor. So this is the step's one device-to-host copy, cut to the
             # columns of full chunks, the only ones the tree reads.
-            full_chunks = int(host_seq_lens.max()) // self.block_size
+            full_chunks = int(host_rows.unmasked_lens.max()) // self.block_size
             host_table = block_table[:, :full_chunks].cpu()
-        tree = self.tree_cache.get(host_table, host_seq_lens, self.block_size)
+        tree = self.tree_cache.get(host_table, host_rows.unmasked_lens, self.block_size)
         self.stats.record(tree, host_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
         if self.device_tree is not None:
             # CUDA kernels: the tree in the fixed buffers (copied only when it

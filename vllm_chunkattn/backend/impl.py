@@ -94,11 +94,12 @@ class ChunkAttentionImpl(AttentionImpl):
         output = output.view(-1, self.num_heads, self.head_size)
         num_decode_tokens = md.num_decode_tokens
         if md.num_decodes:
-            # One row per decode request: in a CUDA-graph batch padded with
-            # requests of no tokens, num_decode_tokens may be smaller; their
-            # rows are padding the kernels fill with zeros.
-            num_decodes = md.num_decodes
-            ops.tpp_decode(query[:num_decodes], kv_cache, md.decode_plan, self.scale, output[:num_decodes])
+            # One row per query token of the tree requests (prefix/query_rows.py).
+            # In a CUDA-graph batch padded with requests of no tokens the plan
+            # has one row per request, more than num_decode_tokens: those rows
+            # are padding the kernels fill with zeros.
+            rows = md.decode_plan.batch
+            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows])
         if md.prefill_seq_lens.numel():
             ops.paged_prefill(
                 query[num_decode_tokens : md.num_actual_tokens],

@@ -47,6 +47,15 @@ Grids:
     prefill chunkattn::paged_prefill vs vLLM's CPU kernel on causal prefill:
             8 requests x 512 new tokens after 512 cached ones (context 1024),
             and 8 x 512 new tokens from scratch; 32 heads, d 128, chunk 64
+    relay   rows of several tokens sharing a cached prefix (RelayAttention's
+            prompt phase, speculative decoding): 32 requests with q in 1, 2,
+            4, 8, 16, 64 new tokens each after 2048 shared + 128 private
+            tokens, 16 and 32 heads, GQA 1 and 4; the tree path (every query
+            token a row of chunkattn::tpp_decode, prefix/query_rows.py)
+            against our per-request chunkattn::paged_prefill and vLLM's
+            kernel. The report names the longest q at which the tree path
+            beats the per-request one at every point: the platform's
+            tree_max_query_len (kernels/support.py) on this CPU
 
 Timing: `--warmup` untimed calls of each implementation, then `--repeats`
 repetitions; each repetition runs every implementation once, in an order that
@@ -100,14 +109,17 @@ import torch.nn.functional as F
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.kernels import cpu_tuning, ops
+from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix import tree
+from vllm_chunkattn.prefix.query_rows import expand_query_rows
 
 IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
 # Timed per point beside the implementations, paid once per engine step for all layers; not attention,
 # so no roofline applies to them.
-STEP_BOOKKEEPING = ("tree rebuild", "tree lookup", "decode plan")
+DECODE_BOOKKEEPING = ("tree rebuild", "tree lookup", "decode plan")  # columns of the decode tables
+STEP_BOOKKEEPING = (*DECODE_BOOKKEEPING, "tree rows plan")
 DENSE_IMPLS = ("Naive", "SDPA")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # --as-avx2-cpu (module docstring): the environment the benchmark re-executes itself with.
@@ -116,7 +128,7 @@ AS_AVX2_CPU_ENV = {"CHUNKATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "
                    AS_AVX2_CPU_MARKER: "1"}
 AVX2_PEAK_LOOPS = ("avx2_fma",)
 DENSE_MAX_REPEATS = 5
-GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill"]
+GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill", "relay"]
 # Share of the available memory a point's inputs may take; above it the dense
 # baselines (a dense copy of every request's K and V) are left out of the point.
 MEMORY_FRACTION = 0.8
@@ -540,14 +552,20 @@ class PrefillPoint:
     chunk: int
     dtype: str
     kv_heads: int = 0  # 0: heads (MHA)
+    shared: int = 0  # leading context tokens all requests share (whole chunks; the relay grid)
 
     def __post_init__(self) -> None:
         if not self.kv_heads:
             self.kv_heads = self.heads
 
+    @property
+    def grid(self) -> str:
+        return "relay" if self.shared else "prefill"
+
     def label(self) -> str:
         heads = f"h={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
-        return (f"prefill {self.dtype} requests={self.requests} new={self.new} seq_len={self.context} "
+        shared = f" shared={self.shared}" if self.shared else ""
+        return (f"{self.grid} {self.dtype} requests={self.requests} new={self.new} seq_len={self.context}{shared} "
                 f"{heads} d={self.head_dim} c={self.chunk}")
 
     def flops(self) -> int:
@@ -556,8 +574,8 @@ class PrefillPoint:
         return 4 * self.requests * self.heads * self.head_dim * keys
 
     def nbytes(self) -> int:
-        """KV of every request's context, its queries and its outputs."""
-        kv = self.requests * self.context * 2 * self.kv_heads
+        """KV of every request's context (the shared part once), its queries and its outputs."""
+        kv = (self.shared + self.requests * (self.context - self.shared)) * 2 * self.kv_heads
         queries_and_outputs = self.requests * 2 * self.new * self.heads
         return (kv + queries_and_outputs) * self.head_dim * element_size(self.dtype)
 
@@ -579,24 +597,54 @@ def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     ]
 
 
+def relay_points(dtype: str, quick: bool) -> list[PrefillPoint]:
+    """32 requests, q new tokens each after 2048 shared + 128 private tokens of context."""
+    if quick:
+        return [PrefillPoint(4, q, 128 + 32 + q, 4, 64, 32, dtype, kv_heads=2, shared=128) for q in (1, 4)]
+    return [PrefillPoint(32, q, 2048 + 128 + q, heads, 128, 64, dtype, kv_heads=heads // group, shared=2048)
+            for heads in (16, 32) for group in (1, 4) for q in RELAY_QUERY_LENS]
+
+
+RELAY_QUERY_LENS = (1, 2, 4, 8, 16, 64)
+
+
 def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callable[[], None] | None,
                       rng: np.random.Generator) -> PointResult:
+    """ours: chunkattn::paged_prefill; with a shared prefix (relay) ours is the
+    tree path and "ours per-request" the paged prefill."""
     from vllm import _custom_ops as vops
 
     dtype = DTYPES[p.dtype]
     # The cache's shape: the KV heads.
-    w = Workload("prefill", p.requests, [(p.context, 1)], p.context, 0, 0, p.kv_heads, p.head_dim, p.chunk, p.dtype)
-    table, num_blocks = block_tables(w, False, rng)
+    segments = [(p.shared, p.requests), (p.context - p.shared, 1)] if p.shared else [(p.context, 1)]
+    w = Workload(p.grid, p.requests, segments, p.context, p.shared, 0, p.kv_heads, p.head_dim, p.chunk, p.dtype)
+    table, num_blocks = block_tables(w, bool(p.shared), rng)
     cache = random_cache(num_blocks, w, dtype)
     seq_lens = torch.full((p.requests,), p.context, dtype=torch.int32)
     qsl = torch.arange(p.requests + 1, dtype=torch.int32) * p.new
     query = torch.empty(p.requests * p.new, p.heads, p.head_dim, dtype=dtype).uniform_(-2.0, 2.0)
     scale = p.head_dim**-0.5
-    ours_out = torch.empty_like(query)
+    prefill_out = torch.empty_like(query)
 
-    def ours() -> torch.Tensor:
-        ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, ours_out)
-        return ours_out
+    def per_request() -> torch.Tensor:
+        ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, prefill_out)
+        return prefill_out
+
+    if p.shared:
+        # The builder's work, once per step for all layers: timed apart ("tree rows plan").
+        def plan_rows():
+            rows = expand_query_rows(table, seq_lens, qsl[1:] - qsl[:-1])
+            ctx = tree.prefix_tree(rows.block_table, rows.unmasked_lens, p.chunk)
+            return ops.plan_tpp_decode(point_shape(p), rows.block_table, rows.seq_lens, ctx)
+
+        tree_plan = plan_rows()
+        tree_out = torch.empty_like(query)
+
+        def ours() -> torch.Tensor:
+            ops.tpp_decode(query, cache, tree_plan, scale, tree_out)
+            return tree_out
+    else:
+        ours = per_request
 
     _, key_cache, value_cache = vllm_cache(cache, table, table, num_blocks)
     metadata = vops.cpu_attn_get_scheduler_metadata(
@@ -613,7 +661,12 @@ def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callabl
         return theirs_out
 
     candidates = [Candidate("ours", ours, repeats), Candidate("vLLM", theirs, repeats)]
-    return check_and_time(p.label(), dtype, candidates, repeats, warmup, flush)
+    if p.shared:
+        candidates.append(Candidate("ours per-request", per_request, repeats))
+    result = check_and_time(p.label(), dtype, candidates, repeats, warmup, flush)
+    if p.shared and not result.disagreements:
+        result.times["tree rows plan"] = measure(plan_rows, repeats, 1)
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -662,7 +715,7 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
         cells.append(f"{ours / bound.bound_ms:.2f}" if ours else "-")
         cells.append(bound.bound_by)
         cells.append(f"{w.batch / (ours / 1e3):.0f}" if ours else "-")
-        for key in STEP_BOOKKEEPING:
+        for key in DECODE_BOOKKEEPING:
             t = median[key]
             cells.append(f"{t:.3f} ({100 * t / ours:.1f}%)" if ours else f"{t:.3f}")
         cells.append(", ".join(f"{k} {v:.1e}" for k, v in r["diffs"].items()) or "-")
@@ -682,6 +735,35 @@ def prefill_table(rows: list[dict]) -> str:
                      f"{fmt(bound.bound_ms)} | {ours / bound.bound_ms:.2f} | {bound.bound_by} | "
                      f"{p.flops() / (ours / 1e3) / 1e9:.1f} | {r['diffs']['vLLM']:.1e} |")
     return "\n".join(lines)
+
+
+def relay_table(rows: list[dict]) -> list[str]:
+    """The relay grid's table, and the longest query length at which the tree path
+    beat the per-request one at every point (what tree_max_query_len should be here)."""
+    lines = ["| dtype | heads | q | tree ms | per-request ms | vLLM ms | vLLM/tree | per-request/tree | "
+             "best of ours / vLLM | tree plan ms (per step) | tree/roofline | max|Δ| vLLM, per-request |",
+             "|" + "---|" * 12]
+    wins: dict[int, bool] = {}
+    for r in rows:
+        p, times, bound = r["p"], r["times"], r["roofline"]
+        tree_ms, per_ms, vllm_ms = (statistics.median(times[k]) for k in ("ours", "ours per-request", "vLLM"))
+        wins[p.new] = wins.get(p.new, True) and tree_ms <= per_ms
+        heads = f"{p.heads}" + (f" / {p.kv_heads} KV" if p.kv_heads != p.heads else "")
+        lines.append(f"| {p.dtype} | {heads} | {p.new} | {time_cell(times['ours'])} | "
+                     f"{time_cell(times['ours per-request'])} | {time_cell(times['vLLM'])} | {vllm_ms / tree_ms:.2f}x | "
+                     f"{per_ms / tree_ms:.2f}x | {vllm_ms / min(tree_ms, per_ms):.2f}x | "
+                     f"{fmt(statistics.median(times['tree rows plan']), 3)} | {tree_ms / bound.bound_ms:.2f} | "
+                     f"{r['diffs']['vLLM']:.1e}, {r['diffs']['ours per-request']:.1e} |")
+    longest = 0
+    for q in sorted(wins):
+        if not wins[q]:
+            break
+        longest = q
+    lines += ["", f"Tree path at least as fast as the per-request prefill at every point up to q = {longest} "
+              f"(measured: {', '.join(f'q={q} ' + ('yes' if ok else 'no') for q, ok in sorted(wins.items()))}); "
+              f"the engine sends requests of at most {CPU.tree_max_query_len} new tokens to the tree path "
+              f"(kernels/support.py, CPU.tree_max_query_len)."]
+    return lines
 
 
 def below_roofline(label: str, times: dict[str, list[float]], bound: machine.Roofline) -> list[str]:
@@ -785,7 +867,8 @@ def plan(grids: list[str], dtypes: list[str], quick: bool) -> list[PlannedPoint]
     planned = []
     for grid in grids:
         for dtype in dtypes:
-            points = prefill_points(dtype, quick) if grid == "prefill" else grid_points(grid, dtype, quick)
+            points_of = {"prefill": prefill_points, "relay": relay_points}.get(grid)
+            points = points_of(dtype, quick) if points_of else grid_points(grid, dtype, quick)
             planned += [PlannedPoint(grid, p) for p in points]
     return planned
 
@@ -922,8 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
         print("vLLM is not importable: skipping PagedAttn and PagedAttn*", flush=True)
         impls = [i for i in impls if not i.startswith("PagedAttn")]
     grids = GRIDS if args.grid == "all" else [args.grid]
-    if "prefill" in grids and not any(i.startswith("PagedAttn") for i in impls):
-        grids.remove("prefill")  # needs vLLM
+    if not any(i.startswith("PagedAttn") for i in impls):
+        grids = [g for g in grids if g not in ("prefill", "relay")]  # they need vLLM
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -990,12 +1073,13 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     rows_by_table: dict[tuple[str, str], list[dict]] = {}
     prefill_rows: list[dict] = []
+    relay_rows: list[dict] = []
     below: list[str] = []
     for planned_point, result in results:
         p = planned_point.point
         bound = point_roofline(p, rates + bandwidth_samples, not args.warm, machine_record)
         if isinstance(p, PrefillPoint):
-            base = dict(grid="prefill", n_p=p.context, n_s=0, n_c=p.new, batch=p.requests, heads=p.heads,
+            base = dict(grid=p.grid, n_p=p.context, n_s=p.shared, n_c=p.new, batch=p.requests, heads=p.heads,
                         kv_heads=p.kv_heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype)
         else:
             base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
@@ -1021,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
         below += below_roofline(p.label(), result.times, bound)
         row = dict(w=p, p=p, times=result.times, roofline=bound, diffs=result.diffs)
         if isinstance(p, PrefillPoint):
-            prefill_rows.append(row)
+            (relay_rows if p.shared else prefill_rows).append(row)
         else:
             rows_by_table.setdefault((planned_point.grid, p.dtype), []).append(row)
     for line in below:
@@ -1043,6 +1127,13 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## prefill (causal, paged): chunkattn::paged_prefill vs vLLM's CPU kernel", "",
                      "n_c in results.json = new tokens per request, n_p = seq_len; roofline bytes: KV, queries and "
                      "outputs.", "", prefill_table(prefill_rows)]
+    if relay_rows:
+        sections += ["", "## relay: rows of several tokens over a shared prefix (tree path vs per-request prefill "
+                     "vs vLLM)", "", "requests x q new tokens after a shared prefix and private tokens (the "
+                     "grid's points: module docstring); tree: every "
+                     "query token a row of chunkattn::tpp_decode over the rows' prefix tree; per-request: "
+                     "chunkattn::paged_prefill; roofline bytes: the shared KV once, private KV, queries and "
+                     "outputs.", "", *relay_table(relay_rows)]
     text = "\n".join(sections) + "\n"
     print("\n" + text, flush=True)
     (out_dir / "table.md").write_text(text)

@@ -77,7 +77,8 @@ def builder_config(shape: StepShape) -> SimpleNamespace:
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=0),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
         model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: shape.heads),
-        parallel_config=SimpleNamespace(),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        speculative_config=None,
     )
 
 

@@ -21,6 +21,12 @@ class PlatformSupport:
     head_sizes: tuple[int, ...]
     block_sizes: tuple[int, ...]  # vLLM's block size, our chunk size
     dtypes: tuple[torch.dtype, ...]
+    # The longest query (new tokens of one request in a step) that takes the
+    # prefix-tree path (prefix/query_rows.py); longer ones run the paged
+    # prefill. Stacking a shared chunk's rows pays while each request brings
+    # few; with many the prefill's own query tiles already reuse each key
+    # (measured: `python -m vllm_chunkattn.bench.kernel --grid relay`).
+    tree_max_query_len: int
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
     min_compute_capability: tuple[int, int] | None = None
 
@@ -30,6 +36,7 @@ CPU = PlatformSupport(
     head_sizes=(64, 128, 256),
     block_sizes=(32, 64, 128),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    tree_max_query_len=16,
 )
 # Tensor-core MMA (mma.sync) in float16/bfloat16, cp.async: sm_80 and newer.
 CUDA = PlatformSupport(
@@ -37,6 +44,7 @@ CUDA = PlatformSupport(
     head_sizes=(64, 128, 256),
     block_sizes=(16, 32, 64, 128),
     dtypes=(torch.float16, torch.bfloat16),
+    tree_max_query_len=1,  # multi-token rows on CUDA: not yet (README, Status)
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
 
