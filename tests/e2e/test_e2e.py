@@ -101,3 +101,31 @@ def test_chunk_reports_no_sharing_without_shared_prefixes(runs):
     # Requests decoded together, so a tree could have found (false) sharing.
     assert summary.steps > 0 and summary.mean_batch > 1
     assert summary.mean_nodes == 0 and summary.saved_tokens == 0 and summary.served_once_share == 0
+
+
+def test_a_burst_on_a_cached_system_prompt_shares_its_prompt_rows(runs):
+    """32 requests arrive together on a 1504-token system prompt (47 whole chunks)
+    with 3 to 8 tokens each of their own. The first computes the prompt; the
+    other 31 hit its blocks in the same step (vLLM registers them when it
+    schedules the first) and send only their own tokens: few enough for the
+    tree path, so their prompt rows attend the system prompt as one node while
+    the first request is still writing it. Identical greedy tokens, logprobs
+    within the float32 tolerance, and the log shows the rows went through the tree."""
+    from vllm_chunkattn.testing.workload import burst_workload
+
+    name = "float32-gqa-d64-block32-preempt"
+    *_, logprob_atol, near_tie = CONFIGS[name]
+    stock, chunk = runs(name, "stock", workload="burst"), runs(name, "chunk", workload="burst")
+    report = compare_runs(stock, chunk, logprob_atol, near_tie)
+    assert not report["problems"], "\n".join(report["problems"][:20])
+    assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
+    requests = burst_workload()
+    system = 47 * 32
+    # The 31 later requests hit the whole system prompt...
+    assert chunk["counters"]["vllm:prefix_cache_hits"] >= (len(requests) - 1) * system, chunk["counters"]
+    # ... and their own tokens are rows of the tree: at least all of them, once.
+    own_tokens = sum(len(r.prompt) - system for r in requests[1:])
+    [summary] = chunk["decode_summaries"]
+    print(summary, f"own prompt tokens of the later requests: {own_tokens}")
+    assert summary.multi_token_rows >= own_tokens
+    assert summary.mean_nodes > 0 and summary.served_once_share > 0.5

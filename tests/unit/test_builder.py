@@ -118,7 +118,7 @@ def test_pure_decode_batch():
     assert_prefills(meta, cm, [], num_decodes=3)
 
 
-@pytest.mark.parametrize("leading_query_len", [CPU.tree_max_query_len + 1, 64])
+@pytest.mark.parametrize("leading_query_len", [CPU.tree_max_query_len(group=2) + 1, 64])
 def test_pure_prefill_batch(leading_query_len):
     builder = make_builder()
     prefills = [Req([9, 10], 60, leading_query_len)] + PREFILLS
@@ -135,7 +135,7 @@ def test_requests_with_few_new_tokens_take_the_tree_path():
     become one plan row per query token, in query order, each attending up to
     its own token; the rows of both requests share the prefix's chunks."""
     builder = make_builder()
-    assert builder.reorder_batch_threshold == CPU.tree_max_query_len
+    assert builder.decode_shape.group == 2 and builder.reorder_batch_threshold == CPU.tree_max_query_len(2) == 8
     spec = Req([1, 2, 3], 80, 4)  # context 76: chunks 0, 1 full and unmasked
     suffix = Req([1, 2, 11], 70, 6)  # context 64: chunks 0, 1
     cm = batch_metadata([DECODES[0], spec, suffix] + PREFILLS)
@@ -148,6 +148,8 @@ def test_requests_with_few_new_tokens_take_the_tree_path():
     assert (0, 2) in {(cb, ce) for cb, ce in zip(plan.context.node_chunk_begin.tolist(),
                                                  plan.context.node_chunk_end.tolist())}
     assert plan.context.shared_chunks.tolist() == [2] * 11
+    run = builder.stats.run
+    assert (run.requests, run.rows, run.multi_token_rows) == (3, 11, 10)
     assert_prefills(meta, cm, PREFILLS, num_decodes=3)
 
 
@@ -157,22 +159,22 @@ def test_a_block_computed_in_this_step_is_context_only_for_the_request_that_hit_
     for A: no node may serve it to A's rows (they must not see its later
     tokens). The step's attention matches the causal reference."""
     builder = make_builder()
-    a = Req([1, 2, 3], 3 * BLOCK_SIZE, 16)  # tokens 80..95 new: block 3 fills in this step
+    a = Req([1, 2, 3], 3 * BLOCK_SIZE, 8)  # tokens 88..95 new: block 3 fills in this step
     b = Req([1, 2, 3, 4], 3 * BLOCK_SIZE + 4, 4)  # context 96 = blocks 1, 2, 3
     cm = batch_metadata([a, b])
     meta = builder.build(0, cm)
     plan = meta.decode_plan
     nodes = tree_nodes(plan.context)
-    a_rows, b_rows = frozenset(range(16)), frozenset(range(16, 20))
+    a_rows, b_rows = frozenset(range(8)), frozenset(range(8, 12))
     assert (a_rows | b_rows, 0, 2) in nodes
     assert all(not (rows & a_rows) for rows, _, end in nodes if end > 2)
     assert (b_rows, 2, 3) in nodes
-    assert plan.context.shared_chunks.tolist() == [2] * 16 + [3] * 4
+    assert plan.context.shared_chunks.tolist() == [2] * 8 + [3] * 4
 
     gen = torch.Generator().manual_seed(0)
     spec = builder.kv_cache_spec
     kv = torch.randn(5, spec.num_kv_heads, BLOCK_SIZE, 2 * spec.head_size, generator=gen)
-    query = torch.randn(20, builder.decode_shape.num_heads, spec.head_size, generator=gen)
+    query = torch.randn(12, builder.decode_shape.num_heads, spec.head_size, generator=gen)
     out = ops.tpp_decode(query, kv, plan, 0.125, torch.empty_like(query))
     ref = reference.paged_attention(query, kv, cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
@@ -183,7 +185,7 @@ def test_decode_steps_are_recorded_for_the_log():
     builder.build(0, batch_metadata(DECODES + PREFILLS))
     builder.build(0, batch_metadata(DECODES))
     run = builder.stats.run
-    assert (run.steps, run.requests, run.nodes) == (2, 6, 4)
+    assert (run.steps, run.requests, run.rows, run.multi_token_rows, run.nodes) == (2, 6, 6, 0, 4)
     assert run.context_tokens == 2 * (70 + 80 + 40)
     # Per step: chunk 0 read once for 3 requests, chunk 1 once for 2.
     assert run.saved_tokens == 2 * (2 + 1) * BLOCK_SIZE
@@ -192,11 +194,12 @@ def test_decode_steps_are_recorded_for_the_log():
 
 
 def test_run_summary_reads_back():
-    totals = DecodeTotals(steps=7, requests=20, nodes=9, context_tokens=5000, saved_tokens=1234,
-                          tree_builds=3, tree_lookups=7)
+    totals = DecodeTotals(steps=7, requests=20, rows=31, multi_token_rows=13, nodes=9, context_tokens=5000,
+                          saved_tokens=1234, tree_builds=3, tree_lookups=7)
     line = "(Worker pid=1) INFO 11-23 07:19:51 [stats.py:102] " + format_run_summary(totals)
     [summary] = parse_run_summaries("earlier line\n" + line + "\nlater line\n")
     assert (summary.steps, summary.saved_tokens, summary.context_tokens) == (7, 1234, 5000)
+    assert (summary.rows, summary.multi_token_rows) == (31, 13)
     assert summary.mean_batch == pytest.approx(20 / 7, abs=0.05)
     assert summary.mean_nodes == pytest.approx(9 / 7, abs=0.005)
     assert summary.served_once_share == pytest.approx(1234 / 5000)

@@ -1,9 +1,9 @@
 """Per step: the metadata builder, which splits the batch and plans the tree step.
 
-The builder splits the batch into tree requests (at most the platform's
-`tree_max_query_len` new tokens: decodes, speculative decodes, short
-suffixes after a prefix-cache hit) and prefill requests (more: prefill,
-chunked prefill), makes one row per query token of the tree requests
+The builder splits the batch into tree requests (few new tokens: decodes,
+speculative decodes, short suffixes after a prefix-cache hit; the limit
+is the platform's, kernels/support.py) and prefill requests (more:
+prefill, chunked prefill), makes one row per query token of the tree requests
 (prefix/query_rows.py), derives the prefix tree of those rows from their
 block tables (prefix/tree.py, cached across steps) and builds the step's
 plan (prefix/plan.py) once, for every layer to run. On CUDA the tree
@@ -143,8 +143,9 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             cpu_tuning.ensure_tuned(self.decode_shape)
         # Speculative decoding's rows of 1 + k tokens take the tree path
         # (vLLM raises the threshold to them) where rows of several tokens do.
-        self._init_reorder_batch_threshold(support.tree_max_query_len,
-                                           supports_spec_as_decode=support.tree_max_query_len > 1)
+        tree_max_query_len = support.tree_max_query_len(self.decode_shape.group)
+        self._init_reorder_batch_threshold(tree_max_query_len,
+                                           supports_spec_as_decode=support.tree_max_rows_per_kv_head > 1)
         self.tree_cache = PrefixTreeCache()
         self.stats = DecodeStats(self.block_size)
         logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
@@ -165,14 +166,17 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         on_device = cm.seq_lens.device.type != "cpu"
         decode_plan = None
         if num_decodes:
+            multi_token_rows = 0
             if num_decode_tokens > num_decodes:  # some tree request has several new tokens (CPU only)
                 qsl = cm.query_start_loc_cpu[: num_decodes + 1]
-                rows = expand_query_rows(block_table[:num_decodes], host_seq_lens[:num_decodes], qsl[1:] - qsl[:-1])
+                query_lens = qsl[1:] - qsl[:-1]
+                rows = expand_query_rows(block_table[:num_decodes], host_seq_lens[:num_decodes], query_lens)
                 host_rows = rows
+                multi_token_rows = int(query_lens[query_lens > 1].sum())
             else:  # one row per request (on CUDA also in a graph batch padded with empty requests)
                 rows = TreeRows(block_table[:num_decodes], cm.seq_lens[:num_decodes], cm.seq_lens[:num_decodes])
                 host_rows = TreeRows(rows.block_table, host_seq_lens[:num_decodes], host_seq_lens[:num_decodes])
-            decode_plan = self._plan_rows(rows, host_rows)
+            decode_plan = self._plan_rows(rows, host_rows, num_decodes, multi_token_rows)
         if on_device:
             # vLLM's own persistent device tensors, so that a captured decode
             # graph reads this step's values on replay.
@@ -191,7 +195,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             prefill_block_table=block_table[num_decodes:],
         )
 
-    def _plan_rows(self, rows: TreeRows, host_rows: TreeRows) -> DecodePlan:
+    def _plan_rows(self, rows: TreeRows, host_rows: TreeRows, num_requests: int, multi_token_rows: int) -> DecodePlan:
         """The rows' tree (from the host copies of their lengths) and the step's plan."""
         block_table, seq_lens = rows.block_table, rows.seq_lens
         host_seq_lens = host_rows.seq_lens
@@ -206,7 +210,8 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             full_chunks = int(host_rows.unmasked_lens.max()) // self.block_size
             host_table = block_table[:, :full_chunks].cpu()
         tree = self.tree_cache.get(host_table, host_rows.unmasked_lens, self.block_size)
-        self.stats.record(tree, host_seq_lens, self.tree_cache.builds, self.tree_cache.lookups)
+        self.stats.record(tree, host_seq_lens, num_requests, multi_token_rows, self.tree_cache.builds,
+                          self.tree_cache.lookups)
         if self.device_tree is not None:
             # CUDA kernels: the tree in the fixed buffers (copied only when it
             # changed), the plan into the fixed DecodeWork by the plan kernel.

@@ -27,16 +27,21 @@ class DecodeTotals:
     """Sums over decode steps."""
 
     steps: int = 0
-    requests: int = 0
+    requests: int = 0  # tree requests: decodes, and requests with a few new tokens (prefix/query_rows.py)
+    rows: int = 0  # their query tokens, one tree row each
+    multi_token_rows: int = 0  # of those, the rows of requests with several new tokens
     nodes: int = 0
-    context_tokens: int = 0  # KV token reads without sharing: the sum of the decode requests' seq lens
+    context_tokens: int = 0  # KV token reads without sharing: the sum of the rows' seq lens
     saved_tokens: int = 0  # of those, reads the tree served once for several requests
     tree_builds: int = 0  # the tree cache's counters as of the last step
     tree_lookups: int = 0
 
-    def add(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int) -> None:
+    def add(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int, num_requests: int,
+            multi_token_rows: int) -> None:
         self.steps += 1
-        self.requests += len(seq_lens)
+        self.requests += num_requests
+        self.rows += len(seq_lens)
+        self.multi_token_rows += multi_token_rows
         self.nodes += tree.num_nodes
         self.context_tokens += int(seq_lens.sum())
         self.saved_tokens += tree.reused_tokens(block_size)
@@ -55,19 +60,22 @@ class DecodeTotals:
 
 
 _RUN_SUMMARY = (
-    "{name} prefix tree, whole run: {steps} decode steps, mean batch {mean_batch:.1f}, mean {mean_nodes:.2f} shared "
+    "{name} prefix tree, whole run: {steps} decode steps, mean batch {mean_batch:.1f}, {rows} query rows "
+    "({multi} of them from requests with several new tokens), mean {mean_nodes:.2f} shared "
     "nodes, decode KV token reads served once per batch: {saved} of {total} ({share:.1f}%); tree rebuilt in "
     "{builds} of {lookups} steps"
 )
 _RUN_SUMMARY_PATTERN = re.compile(
-    re.escape(BACKEND_NAME) + r" prefix tree, whole run: (\d+) decode steps, mean batch ([\d.]+), mean ([\d.]+) "
+    re.escape(BACKEND_NAME) + r" prefix tree, whole run: (\d+) decode steps, mean batch ([\d.]+), (\d+) query rows "
+    r"\((\d+) of them from requests with several new tokens\), mean ([\d.]+) "
     r"shared nodes, decode KV token reads served once per batch: (\d+) of (\d+) "
 )
 
 
 def format_run_summary(totals: DecodeTotals) -> str:
     return _RUN_SUMMARY.format(
-        name=BACKEND_NAME, steps=totals.steps, mean_batch=totals.mean_batch, mean_nodes=totals.mean_nodes,
+        name=BACKEND_NAME, steps=totals.steps, mean_batch=totals.mean_batch, rows=totals.rows,
+        multi=totals.multi_token_rows, mean_nodes=totals.mean_nodes,
         saved=totals.saved_tokens, total=totals.context_tokens, share=100.0 * totals.served_once_share,
         builds=totals.tree_builds, lookups=totals.tree_lookups,
     )
@@ -79,6 +87,8 @@ class RunSummary:
 
     steps: int
     mean_batch: float
+    rows: int
+    multi_token_rows: int
     mean_nodes: float
     saved_tokens: int
     context_tokens: int
@@ -92,8 +102,8 @@ def parse_run_summaries(log_text: str) -> list[RunSummary]:
     """Every whole-run line in `log_text`: one per metadata builder that decoded
     (one per KV cache group and model-running process)."""
     return [
-        RunSummary(int(steps), float(batch), float(nodes), int(saved), int(total))
-        for steps, batch, nodes, saved, total in _RUN_SUMMARY_PATTERN.findall(log_text)
+        RunSummary(int(steps), float(batch), int(rows), int(multi), float(nodes), int(saved), int(total))
+        for steps, batch, rows, multi, nodes, saved, total in _RUN_SUMMARY_PATTERN.findall(log_text)
     ]
 
 
@@ -118,9 +128,11 @@ class DecodeStats:
         self.since = now
         self.window = DecodeTotals()
 
-    def record(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, builds: int, lookups: int) -> None:
-        self.window.add(tree, seq_lens, self.block_size)
-        self.run.add(tree, seq_lens, self.block_size)
+    def record(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, num_requests: int, multi_token_rows: int,
+               builds: int, lookups: int) -> None:
+        """One step's tree over `seq_lens` (per row) of `num_requests` requests."""
+        for totals in (self.window, self.run):
+            totals.add(tree, seq_lens, self.block_size, num_requests, multi_token_rows)
         self.run.tree_builds, self.run.tree_lookups = builds, lookups
         now = time.monotonic()
         if now - self.since >= self.period_s:

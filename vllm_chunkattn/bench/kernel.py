@@ -53,9 +53,10 @@ Grids:
             tokens, 16 and 32 heads, GQA 1 and 4; the tree path (every query
             token a row of chunkattn::tpp_decode, prefix/query_rows.py)
             against our per-request chunkattn::paged_prefill and vLLM's
-            kernel. The report names the longest q at which the tree path
-            beats the per-request one at every point: the platform's
-            tree_max_query_len (kernels/support.py) on this CPU
+            kernel. The report names the most query rows per KV head (q x
+            GQA group) up to which the tree path beats the per-request one
+            at every point: CPU.tree_max_rows_per_kv_head (kernels/support.py)
+            on this CPU
 
 Timing: `--warmup` untimed calls of each implementation, then `--repeats`
 repetitions; each repetition runs every implementation once, in an order that
@@ -738,31 +739,37 @@ def prefill_table(rows: list[dict]) -> str:
 
 
 def relay_table(rows: list[dict]) -> list[str]:
-    """The relay grid's table, and the longest query length at which the tree path
-    beat the per-request one at every point (what tree_max_query_len should be here)."""
-    lines = ["| dtype | heads | q | tree ms | per-request ms | vLLM ms | vLLM/tree | per-request/tree | "
-             "best of ours / vLLM | tree plan ms (per step) | tree/roofline | max|Δ| vLLM, per-request |",
-             "|" + "---|" * 12]
-    wins: dict[int, bool] = {}
+    """The relay grid's table, and the most query rows per KV head (q x GQA group) up to which
+    the tree path beat the per-request one at every point: what CPU.tree_max_rows_per_kv_head
+    should be on this CPU."""
+    lines = ["| dtype | heads | q | tree ms | per-request ms | vLLM ms | vLLM/tree | per-request/tree | engine's path | "
+             "engine / better of vLLM and per-request | engine / vLLM | tree plan ms (per step) | tree/roofline | "
+             "max|Δ| vLLM, per-request |", "|" + "---|" * 14]
+    wins: dict[int, bool] = {}  # rows per KV head -> the tree path won at every such point
     for r in rows:
         p, times, bound = r["p"], r["times"], r["roofline"]
         tree_ms, per_ms, vllm_ms = (statistics.median(times[k]) for k in ("ours", "ours per-request", "vLLM"))
-        wins[p.new] = wins.get(p.new, True) and tree_ms <= per_ms
+        group = p.heads // p.kv_heads
+        wins[p.new * group] = wins.get(p.new * group, True) and tree_ms <= per_ms
+        on_tree = p.new <= CPU.tree_max_query_len(group)
+        engine_ms = tree_ms if on_tree else per_ms
         heads = f"{p.heads}" + (f" / {p.kv_heads} KV" if p.kv_heads != p.heads else "")
         lines.append(f"| {p.dtype} | {heads} | {p.new} | {time_cell(times['ours'])} | "
                      f"{time_cell(times['ours per-request'])} | {time_cell(times['vLLM'])} | {vllm_ms / tree_ms:.2f}x | "
-                     f"{per_ms / tree_ms:.2f}x | {vllm_ms / min(tree_ms, per_ms):.2f}x | "
+                     f"{per_ms / tree_ms:.2f}x | {'tree' if on_tree else 'per-request'} | "
+                     f"{min(vllm_ms, per_ms) / engine_ms:.2f}x | {vllm_ms / engine_ms:.2f}x | "
                      f"{fmt(statistics.median(times['tree rows plan']), 3)} | {tree_ms / bound.bound_ms:.2f} | "
                      f"{r['diffs']['vLLM']:.1e}, {r['diffs']['ours per-request']:.1e} |")
-    longest = 0
-    for q in sorted(wins):
-        if not wins[q]:
+    most = 0
+    for rows_per_kv_head in sorted(wins):
+        if not wins[rows_per_kv_head]:
             break
-        longest = q
-    lines += ["", f"Tree path at least as fast as the per-request prefill at every point up to q = {longest} "
-              f"(measured: {', '.join(f'q={q} ' + ('yes' if ok else 'no') for q, ok in sorted(wins.items()))}); "
-              f"the engine sends requests of at most {CPU.tree_max_query_len} new tokens to the tree path "
-              f"(kernels/support.py, CPU.tree_max_query_len)."]
+        most = rows_per_kv_head
+    lines += ["", f"Tree path at least as fast as the per-request prefill at every point with at most {most} query "
+              f"rows per KV head and request (q x GQA group; measured: "
+              f"{', '.join(f'{n}: ' + ('yes' if ok else 'no') for n, ok in sorted(wins.items()))}). The engine "
+              f"sends a request to the tree path when q x group <= {CPU.tree_max_rows_per_kv_head} "
+              f"(kernels/support.py, CPU.tree_max_rows_per_kv_head); \"engine's path\" is that choice."]
     return lines
 
 

@@ -21,14 +21,19 @@ class PlatformSupport:
     head_sizes: tuple[int, ...]
     block_sizes: tuple[int, ...]  # vLLM's block size, our chunk size
     dtypes: tuple[torch.dtype, ...]
-    # The longest query (new tokens of one request in a step) that takes the
-    # prefix-tree path (prefix/query_rows.py); longer ones run the paged
-    # prefill. Stacking a shared chunk's rows pays while each request brings
-    # few; with many the prefill's own query tiles already reuse each key
-    # (measured: `python -m vllm_chunkattn.bench.kernel --grid relay`).
-    tree_max_query_len: int
+    # Which requests take the prefix-tree path (prefix/query_rows.py): those
+    # whose new tokens times the GQA group (query rows per KV head) are at
+    # most this; the others run the paged prefill. Stacking a shared chunk's
+    # rows pays while each request brings few; with many, the prefill's own
+    # query tiles already reuse each key and the tree path only adds partial
+    # results (measured: `python -m vllm_chunkattn.bench.kernel --grid relay`).
+    tree_max_rows_per_kv_head: int
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
     min_compute_capability: tuple[int, int] | None = None
+
+    def tree_max_query_len(self, group: int) -> int:
+        """The longest query of a request on the tree path, for GQA group `group` (decodes always)."""
+        return max(1, self.tree_max_rows_per_kv_head // group)
 
 
 CPU = PlatformSupport(
@@ -36,7 +41,7 @@ CPU = PlatformSupport(
     head_sizes=(64, 128, 256),
     block_sizes=(32, 64, 128),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    tree_max_query_len=16,
+    tree_max_rows_per_kv_head=16,
 )
 # Tensor-core MMA (mma.sync) in float16/bfloat16, cp.async: sm_80 and newer.
 CUDA = PlatformSupport(
@@ -44,7 +49,7 @@ CUDA = PlatformSupport(
     head_sizes=(64, 128, 256),
     block_sizes=(16, 32, 64, 128),
     dtypes=(torch.float16, torch.bfloat16),
-    tree_max_query_len=1,  # multi-token rows on CUDA: not yet (README, Status)
+    tree_max_rows_per_kv_head=1,  # one-token rows only: multi-token rows on CUDA are not done yet
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
 

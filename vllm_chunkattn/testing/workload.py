@@ -35,7 +35,7 @@ WORDS = (
 
 @dataclass
 class Request:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids
     max_tokens: int
     group: str  # which shared prefix it belongs to, for the report
 
@@ -72,6 +72,20 @@ def distinct_prompts_workload(num_requests: int = 4, words: int = 40, seed: int 
     rng = random.Random(seed)
     first_words = rng.sample(WORDS, num_requests)
     return [Request(f"{first} " + _text(rng, words), 12, "distinct") for first in first_words]
+
+
+def burst_workload(num_requests: int = 32, system_chunks: int = 47, block_size: int = 32,
+                   seed: int = 3) -> list[Request]:
+    """A burst: requests that share a system prompt and arrive together, each
+    with a few tokens of its own (RelayAttention's prompt phase). The prompt
+    is token ids, exactly `system_chunks` whole chunks (1504 tokens at block
+    32), so that once the first request is scheduled the others hit all of
+    it in the same step, while the first computes it, and have only their own
+    3 to 8 tokens left: few enough for the tree path."""
+    rng = random.Random(seed)
+    token = lambda: rng.randrange(100, 1600)  # noqa: E731 (ordinary ids: the embedded models have about 1700)
+    system = [token() for _ in range(system_chunks * block_size)]
+    return [Request(system + [token() for _ in range(3 + i % 6)], 8 + i % 5, "burst") for i in range(num_requests)]
 
 
 def chat_conversations() -> list[list[dict]]:
@@ -132,7 +146,8 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
         for r in requests
     ]
     started = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    prompts = [r.prompt if isinstance(r.prompt, str) else {"prompt_token_ids": r.prompt} for r in requests]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - started
     chat_outputs = llm.chat(
         chat, SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS, ignore_eos=True), use_tqdm=False,
@@ -177,7 +192,10 @@ def _counters(llm) -> dict:
 WORKLOADS = {
     "shared-prefix": (shared_prefix_workload, chat_conversations),
     "distinct-prompts": (distinct_prompts_workload, None),
+    "burst": (burst_workload, None),
 }
+# Engine settings a workload needs unless given: the burst arrives in one step.
+WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_tokens": 2048}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="chunk", choices=["chunk", "stock"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--max-num-seqs", type=int, default=4)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the workload's, else 4")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the workload's, else 256")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--model-name", default="tiny", help="embedded model to use when --model is not given")
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -197,15 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_chunkattn.testing.models import ensure_model
 
         args.model = ensure_model(args.model_name)
-    settings = EngineSettings(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_blocks=args.num_blocks,
-    )
+    given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    engine = {**WORKLOAD_ENGINE_SETTINGS.get(args.workload, {}), **{k: v for k, v in given.items() if v is not None}}
+    settings = EngineSettings(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
+                              num_blocks=args.num_blocks, **engine)
     make_requests, make_chat = WORKLOADS[args.workload]
     record = run_offline(settings, make_requests(), make_chat() if make_chat else None)
     with open(args.out, "w") as f:
