@@ -129,3 +129,22 @@ def test_a_burst_on_a_cached_system_prompt_shares_its_prompt_rows(runs):
     print(summary, f"own prompt tokens of the later requests: {own_tokens}")
     assert summary.multi_token_rows >= own_tokens
     assert summary.mean_nodes > 0 and summary.served_once_share > 0.5
+
+
+def test_speculative_decoding_rows_take_the_tree_path(runs):
+    """n-gram speculative decoding (3 tokens): each verification step gives a
+    request 1 + k query rows, which take the tree path. Drafts, acceptances and
+    tokens are identical to stock's, and the tree saw the verification rows."""
+    name = "float32-gqa-d64-block32-preempt"
+    *_, logprob_atol, near_tie = CONFIGS[name]
+    stock, chunk = runs(name, "stock", workload="speculative"), runs(name, "chunk", workload="speculative")
+    report = compare_runs(stock, chunk, logprob_atol, near_tie)
+    assert not report["problems"], "\n".join(report["problems"][:20])
+    assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
+    spec = {k: v for k, v in chunk["counters"].items() if "spec_decode" in k}
+    assert spec == {k: v for k, v in stock["counters"].items() if "spec_decode" in k}
+    print(spec, chunk["decode_summaries"])
+    assert spec["vllm:spec_decode_num_drafts"] > 0
+    [summary] = chunk["decode_summaries"]
+    # Each draft is verified as 1 + (its draft tokens) rows of one request.
+    assert summary.multi_token_rows >= spec["vllm:spec_decode_num_drafts"] + spec["vllm:spec_decode_num_draft_tokens"]

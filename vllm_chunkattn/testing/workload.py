@@ -112,6 +112,7 @@ class EngineSettings:
     num_blocks: int | None = None  # small, to force preemption and recompute
     max_model_len: int = 2048
     logprobs: int = 2
+    speculative_tokens: int = 0  # > 0: n-gram speculative decoding proposing this many tokens per step
 
 
 def run_offline(settings: EngineSettings, requests: list[Request], chat: list[list[dict]] | None = None) -> dict:
@@ -126,6 +127,9 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
         extra["num_gpu_blocks_override"] = settings.num_blocks
         # vLLM refuses a max_model_len that the blocks cannot hold.
         max_model_len = min(max_model_len, (settings.num_blocks - 1) * settings.block_size)
+    if settings.speculative_tokens:
+        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": settings.speculative_tokens,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     started = time.perf_counter()
     llm = LLM(
         model=settings.model,
@@ -180,7 +184,9 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
 
 
 def _counters(llm) -> dict:
-    wanted = {"vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"}
+    wanted = {"vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+              "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens"}
     counters = {}
     for metric in llm.get_metrics():
         if metric.name in wanted:
@@ -193,9 +199,12 @@ WORKLOADS = {
     "shared-prefix": (shared_prefix_workload, chat_conversations),
     "distinct-prompts": (distinct_prompts_workload, None),
     "burst": (burst_workload, None),
+    "speculative": (shared_prefix_workload, None),
 }
-# Engine settings a workload needs unless given: the burst arrives in one step.
-WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_tokens": 2048}}
+# Engine settings a workload needs unless given: the burst arrives in one step;
+# "speculative" is the shared-prefix workload under n-gram speculative decoding.
+WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_tokens": 2048},
+                            "speculative": {"speculative_tokens": 3}}
 
 
 def main(argv: list[str] | None = None) -> int:
