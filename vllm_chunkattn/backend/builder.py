@@ -223,8 +223,9 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
 def _host_seq_lens(cm: CommonAttentionMetadata, num_reqs: int) -> torch.Tensor:
     """The requests' sequence lengths on the host, without a device-to-host copy
     where vLLM provides them: its GPU runner passes seq_lens_cpu_upper_bound,
-    exact for every row except under asynchronous speculative decoding, which
-    this backend does not serve (its decode rows have one token)."""
+    exact for every row except under asynchronous speculative decoding, whose
+    rows of several tokens the CUDA path does not put in the tree (there its
+    tree rows have one token; on CPU seq_lens are host tensors anyway)."""
     if cm.seq_lens.device.type == "cpu":
         return cm.seq_lens[:num_reqs]
     if cm.seq_lens_cpu_upper_bound is not None:
