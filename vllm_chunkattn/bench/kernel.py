@@ -598,15 +598,15 @@ def prefill_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     ]
 
 
+RELAY_QUERY_LENS = (1, 2, 4, 8, 16, 64)
+
+
 def relay_points(dtype: str, quick: bool) -> list[PrefillPoint]:
     """32 requests, q new tokens each after 2048 shared + 128 private tokens of context."""
     if quick:
         return [PrefillPoint(4, q, 128 + 32 + q, 4, 64, 32, dtype, kv_heads=2, shared=128) for q in (1, 4)]
     return [PrefillPoint(32, q, 2048 + 128 + q, heads, 128, 64, dtype, kv_heads=heads // group, shared=2048)
             for heads in (16, 32) for group in (1, 4) for q in RELAY_QUERY_LENS]
-
-
-RELAY_QUERY_LENS = (1, 2, 4, 8, 16, 64)
 
 
 def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callable[[], None] | None,

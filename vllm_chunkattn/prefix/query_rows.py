@@ -24,7 +24,8 @@ all new tokens is written before any layer's attention runs, so the hit
 request reads it complete.
 
 For a decode row (q = 1) seq_len = unmasked_len = the request's seq_len:
-the decode batch of ChunkAttention, unchanged.
+the decode batch of ChunkAttention, unchanged (the builder makes those rows
+without expanding anything when every tree request has one token).
 """
 
 from __future__ import annotations
@@ -43,19 +44,12 @@ class TreeRows:
     seq_lens: torch.Tensor  # [rows]: keys the row attends, c + t + 1
     unmasked_lens: torch.Tensor  # [rows]: keys every row of its request sees unmasked, c + 1
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.seq_lens.numel())
-
 
 def expand_query_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor) -> TreeRows:
     """Rows for requests with `query_lens` new tokens each (0 allowed: no row)
     ending their `seq_lens` (the new tokens included)."""
     query_lens = query_lens.to(torch.int64)
     seq_lens = seq_lens.to(torch.int64)
-    if bool((query_lens == 1).all()):  # a decode batch: one row per request, nothing to expand
-        lens = seq_lens.to(torch.int32)
-        return TreeRows(block_table=block_table, seq_lens=lens, unmasked_lens=lens)
     if bool((query_lens > seq_lens).any()):
         raise ValueError(f"a request has more new tokens than its sequence length: query_lens "
                          f"{query_lens.tolist()}, seq_lens {seq_lens.tolist()}")

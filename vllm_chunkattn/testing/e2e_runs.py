@@ -26,7 +26,9 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
     out = tmp_path_factory.mktemp(name) / f"{workload}-{backend}.json"
     cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--workload", workload, "--model-name", model,
            "--backend", backend, "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
-    if num_blocks and workload not in WORKLOAD_ENGINE_SETTINGS:  # the burst needs its whole prompt cached
+    # The config's small cache (forcing preemption) is for the workloads without
+    # engine settings of their own: the burst needs its whole prompt cached.
+    if num_blocks and workload not in WORKLOAD_ENGINE_SETTINGS:
         cmd += ["--num-blocks", str(num_blocks)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
