@@ -148,3 +148,38 @@ def test_speculative_decoding_rows_take_the_tree_path(runs):
     [summary] = chunk["decode_summaries"]
     # Each draft is verified as 1 + (its draft tokens) rows of one request.
     assert summary.multi_token_rows >= spec["vllm:spec_decode_num_drafts"] + spec["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_parallel_samples_share_their_prompt_as_one_node(runs):
+    """n = 4 samples of a prompt run as 4 requests on the prompt's blocks, and
+    each step's tree has one node covering all of them. A prompt of 5 whole
+    chunks and 5 tokens shares its 5 chunks; one of exactly 7 chunks shares
+    only 6, because vLLM caps a prefix hit at the prompt length minus one and
+    each later sample recomputes the last chunk into a block of its own.
+    Seeded sampling draws the same tokens as stock."""
+    name = "float32-gqa-d64-block32-preempt"
+    *_, logprob_atol, near_tie = CONFIGS[name]
+    stock, chunk = runs(name, "stock", workload="parallel-sampling"), runs(name, "chunk", workload="parallel-sampling")
+    report = compare_runs(stock, chunk, logprob_atol, near_tie)
+    assert not report["problems"], "\n".join(report["problems"][:20])
+    assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
+    by_prompt = {}
+    for r in chunk["results"]:
+        by_prompt.setdefault(r["group"], []).append(tuple(r["tokens"]))
+    assert {g: len(s) for g, s in by_prompt.items()} == {"n-inside-chunk": 4, "n-chunk-boundary": 4}
+    assert all(len(set(samples)) > 1 for samples in by_prompt.values())  # the samples went their own ways
+
+    steps = chunk["step_trees"]
+    assert steps and stock["step_trees"] == []
+    for step in steps:
+        print(step)
+        if step.requests == 1:
+            assert step.nodes == ()
+            continue
+        # One node, over every row of the step (the samples of one prompt run alone).
+        [node] = step.nodes
+        assert (node.row_begin, node.row_end) == (0, step.rows)
+    spans = {(node.chunk_begin, node.chunk_end) for step in steps for node in step.nodes}
+    assert spans == {(0, 5), (0, 6)}
+    for chunks in (5, 6):  # all four samples together under one node, for both prompts
+        assert any(step.requests == 4 and step.nodes[0].chunk_end == chunks for step in steps)

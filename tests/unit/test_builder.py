@@ -13,7 +13,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_chunkattn.backend import ChunkAttentionMetadataBuilder
-from vllm_chunkattn.backend.stats import DecodeTotals, format_run_summary, parse_run_summaries
+from vllm_chunkattn.backend.stats import DecodeTotals, format_run_summary, parse_run_summaries, parse_step_trees
 from vllm_chunkattn.kernels import ops
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.testing import reference
@@ -204,6 +204,23 @@ def test_run_summary_reads_back():
     assert summary.mean_nodes == pytest.approx(9 / 7, abs=0.005)
     assert summary.served_once_share == pytest.approx(1234 / 5000)
     assert parse_run_summaries("CHUNK prefix tree: 5 decode steps, mean batch 2.0, ...") == []  # the periodic line
+
+
+def test_step_trees_are_logged_at_debug_level_and_read_back(caplog):
+    import logging
+
+    builder = make_builder()
+    with caplog.at_level(logging.DEBUG, logger="vllm.chunkattn.backend"):
+        builder.build(0, batch_metadata(DECODES + PREFILLS))
+    [step] = parse_step_trees(caplog.text)
+    assert (step.requests, step.rows) == (3, 3)
+    # DECODE_NODES, as (rows covered, chunk range): the tree positions of a node are contiguous.
+    assert {(n.row_end - n.row_begin, n.chunk_begin, n.chunk_end) for n in step.nodes} == {
+        (len(rows), begin, end) for rows, begin, end in DECODE_NODES}
+    assert len(step.nodes) == 2 and all(0 <= n.row_begin < n.row_end <= 3 for n in step.nodes)
+    caplog.clear()
+    builder.build(0, batch_metadata(DECODES))  # at INFO, no step line
+    assert parse_step_trees(caplog.text) == []
 
 
 def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch):

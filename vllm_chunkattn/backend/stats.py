@@ -3,11 +3,14 @@
 Two lines report it: one every `period_s` while decoding (for whoever watches
 a running server) and one with the totals of the whole run when the process
 that runs the model exits (`parse_run_summaries` reads it back, so tests and
-scripts see the same numbers a user sees).
+scripts see the same numbers a user sees). At debug level
+(VLLM_LOGGING_LEVEL=DEBUG) each step's tree is logged too: which rows each
+node covers and which chunks (`parse_step_trees` reads those back).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import weakref
@@ -107,6 +110,48 @@ def parse_run_summaries(log_text: str) -> list[RunSummary]:
     ]
 
 
+@dataclass(frozen=True)
+class NodeSpan:
+    """A node of one step's tree: tree positions (rows) [row_begin, row_end)
+    attend block-table columns (chunks) [chunk_begin, chunk_end) together."""
+
+    row_begin: int
+    row_end: int
+    chunk_begin: int
+    chunk_end: int
+
+
+@dataclass(frozen=True)
+class StepTree:
+    """One step's debug line read back from a log."""
+
+    requests: int
+    rows: int
+    nodes: tuple[NodeSpan, ...]
+
+
+_STEP_LINE = "{name} prefix tree step: {requests} requests, {rows} rows, nodes: {nodes}"
+_STEP_PATTERN = re.compile(re.escape(BACKEND_NAME) + r" prefix tree step: (\d+) requests, (\d+) rows, nodes: (.*)")
+_NODE_TEXT = "rows [{}, {}) x chunks [{}, {})"
+_NODE_PATTERN = re.compile(r"rows \[(\d+), (\d+)\) x chunks \[(\d+), (\d+)\)")
+
+
+def format_step_tree(tree: PrefixTreeContext, num_requests: int, num_rows: int) -> str:
+    spans = zip(tree.node_begin.tolist(), tree.node_end.tolist(), tree.node_chunk_begin.tolist(),
+                tree.node_chunk_end.tolist())
+    nodes = "; ".join(_NODE_TEXT.format(*span) for span in spans) or "none"
+    return _STEP_LINE.format(name=BACKEND_NAME, requests=num_requests, rows=num_rows, nodes=nodes)
+
+
+def parse_step_trees(log_text: str) -> list[StepTree]:
+    """Every per-step tree line in `log_text` (logged at debug level only)."""
+    return [
+        StepTree(int(requests), int(rows),
+                 tuple(NodeSpan(*map(int, span)) for span in _NODE_PATTERN.findall(nodes)))
+        for requests, rows, nodes in _STEP_PATTERN.findall(log_text)
+    ]
+
+
 def _log_run_summary(totals: DecodeTotals) -> None:
     if totals.steps:
         logger.info(format_run_summary(totals))
@@ -133,6 +178,8 @@ class DecodeStats:
         """One step's tree over `seq_lens` (per row) of `num_requests` requests."""
         for totals in (self.window, self.run):
             totals.add(tree, seq_lens, self.block_size, num_requests, multi_token_rows)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(format_step_tree(tree, num_requests, len(seq_lens)))
         self.run.tree_builds, self.run.tree_lookups = builds, lookups
         now = time.monotonic()
         if now - self.since >= self.period_s:

@@ -1,16 +1,17 @@
 """Engine runs of the workloads, one process each, as a user would start them
 (`python -m vllm_chunkattn.testing.workload`), and the configurations compared.
-A run's record carries what the backend logged about sharing (the whole-run
+A run's record carries what the backend logged about sharing: the whole-run
 summary of backend/stats.py, written when the process that runs the model,
-a vLLM worker, exits)."""
+a vLLM worker, exits, and each step's tree (runs log at debug level)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
-from vllm_chunkattn.backend.stats import parse_run_summaries
+from vllm_chunkattn.backend.stats import parse_run_summaries, parse_step_trees
 from vllm_chunkattn.testing.workload import WORKLOAD_ENGINE_SETTINGS
 
 # name: (model, dtype, block size, KV blocks or None, logprob tolerance, near-tie threshold)
@@ -30,10 +31,12 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
     # engine settings of their own: the burst needs its whole prompt cached.
     if num_blocks and workload not in WORKLOAD_ENGINE_SETTINGS:
         cmd += ["--num-blocks", str(num_blocks)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     log = done.stdout + done.stderr
     record = json.loads(out.read_text())
     record["log"] = log
     record["decode_summaries"] = parse_run_summaries(log)
+    record["step_trees"] = parse_step_trees(log)
     return record

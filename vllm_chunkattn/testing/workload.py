@@ -38,6 +38,8 @@ class Request:
     prompt: str | list[int]  # text, or token ids
     max_tokens: int
     group: str  # which shared prefix it belongs to, for the report
+    n: int = 1  # parallel samples; n > 1 samples at temperature 1 with `seed`, others are greedy
+    seed: int | None = None
 
 
 def _text(rng: random.Random, n_words: int) -> str:
@@ -86,6 +88,21 @@ def burst_workload(num_requests: int = 32, system_chunks: int = 47, block_size: 
     token = lambda: rng.randrange(100, 1600)  # noqa: E731 (ordinary ids: the embedded models have about 1700)
     system = [token() for _ in range(system_chunks * block_size)]
     return [Request(system + [token() for _ in range(3 + i % 6)], 8 + i % 5, "burst") for i in range(num_requests)]
+
+
+def parallel_sampling_workload(n: int = 4, block_size: int = 32, seed: int = 4) -> list[Request]:
+    """Two prompts, each sampled n times (`SamplingParams.n`, seeded so both
+    backends draw the same tokens). vLLM runs the n samples as n requests on
+    the prompt's blocks: one prompt ends inside a chunk (5 whole chunks and 5
+    tokens: the later samples hit all 5 chunks and prefill only the 5 tokens),
+    the other on a chunk boundary (7 whole chunks: vLLM caps a prefix hit at
+    the prompt's length minus one, so each later sample recomputes the 7th
+    chunk into a block of its own, and the samples share only the first 6)."""
+    rng = random.Random(seed)
+    token = lambda: rng.randrange(100, 1600)  # noqa: E731 (ordinary ids: the embedded models have about 1700)
+    inside = [token() for _ in range(5 * block_size + 5)]
+    boundary = [token() for _ in range(7 * block_size)]
+    return [Request(inside, 12, "n-inside-chunk", n=n, seed=10), Request(boundary, 12, "n-chunk-boundary", n=n, seed=20)]
 
 
 def chat_conversations() -> list[list[dict]]:
@@ -146,7 +163,8 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
     )
     engine_start_s = time.perf_counter() - started
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, logprobs=settings.logprobs, ignore_eos=True)
+        SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=r.seed, max_tokens=r.max_tokens,
+                       logprobs=settings.logprobs, ignore_eos=True)
         for r in requests
     ]
     started = time.perf_counter()
@@ -158,21 +176,21 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
     ) if chat else []
     results = []
     for req, out in zip(requests, outputs):
-        completion = out.outputs[0]
-        top = [
-            sorted(((lp.logprob, tok) for tok, lp in step.items()), reverse=True)
-            for step in completion.logprobs
-        ]
-        results.append(
-            {
-                "group": req.group,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "prompt_token_ids": list(out.prompt_token_ids),
-                "tokens": list(completion.token_ids),
-                "text": completion.text,
-                "top_logprobs": [[[tok, lp] for lp, tok in step] for step in top],
-            }
-        )
+        for completion in out.outputs:  # one result per sample
+            top = [
+                sorted(((lp.logprob, tok) for tok, lp in step.items()), reverse=True)
+                for step in completion.logprobs
+            ]
+            results.append(
+                {
+                    "group": req.group,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "prompt_token_ids": list(out.prompt_token_ids),
+                    "tokens": list(completion.token_ids),
+                    "text": completion.text,
+                    "top_logprobs": [[[tok, lp] for lp, tok in step] for step in top],
+                }
+            )
     return {
         "settings": asdict(settings),
         "engine_start_s": engine_start_s,
@@ -200,11 +218,14 @@ WORKLOADS = {
     "distinct-prompts": (distinct_prompts_workload, None),
     "burst": (burst_workload, None),
     "speculative": (shared_prefix_workload, None),
+    "parallel-sampling": (parallel_sampling_workload, None),
 }
 # Engine settings a workload needs unless given: the burst arrives in one step;
-# "speculative" is the shared-prefix workload under n-gram speculative decoding.
+# "speculative" is the shared-prefix workload under n-gram speculative decoding;
+# the n samples of one prompt run together, apart from the other prompt's.
 WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_tokens": 2048},
-                            "speculative": {"speculative_tokens": 3}}
+                            "speculative": {"speculative_tokens": 3},
+                            "parallel-sampling": {"max_num_seqs": 4}}
 
 
 def main(argv: list[str] | None = None) -> int:
