@@ -50,7 +50,7 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   start=$SECONDS
   # shellcheck disable=SC2086
-  $PY -m vllm_chunkattn.bench.kernel_gpu --grids ${GRIDS:-table3 figure3 figure4 multilevel} ${BENCH_ARGS:-} \
+  $PY -m vllm_chunkattn.bench.kernel_gpu --grids ${GRIDS:-table3 figure3 figure4 multilevel relay} ${BENCH_ARGS:-} \
     --out "$OUT/kernel_gpu" 2>&1 | tee "$OUT/bench.log" | tail -120
   rc=${PIPESTATUS[0]}
   echo "gpu_check: kernel_gpu rc=$rc in $((SECONDS - start)) s"

@@ -32,6 +32,7 @@ from vllm_chunkattn.testing.paged_cases import (
     random_kv_cache,
     shared_prefix,
 )
+from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.prefix.tree import prefix_tree
 
 _reason = emu_build.missing_reason()
@@ -273,6 +274,71 @@ def test_tpp_decode_strided_query_and_output(emu):
     out = emu_decode(emu, q_view, kv_cache, table, seq_lens, ctx, 0.09)
     expected = reference.paged_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.09)
     _check(out, expected, torch.bfloat16)
+
+
+# Rows of several query tokens per request (prefix/query_rows.py): speculative
+# decodes, short suffixes after a prefix hit, mixed with decodes. Each row is
+# one query token; the tree is keyed on the rows' unmasked lengths, so a node
+# stacks every query token of the requests it covers (x GQA group) in its
+# mma tiles. The result must be the causal prefill's.
+MULTI_ROW_CASES = [
+    # seed, batch, block_size, head_size, group, dtype, max_query_len, num_sms
+    (60, 6, 16, 64, 1, torch.float16, 8, 4),
+    (61, 5, 32, 128, 2, torch.bfloat16, 16, 1),
+    (62, 4, 16, 256, 4, torch.float16, 4, 8),
+    (63, 7, 64, 64, 8, torch.bfloat16, 3, 16),
+    (64, 5, 16, 128, 3, torch.float16, 33, 2),
+]
+
+
+def _multi_row_case(seed, batch, block_size, head_size, group, dtype, max_query_len):
+    """A random forest with 0 to max_query_len new tokens per request (1 often,
+    and computed contexts ending on either side of a chunk boundary)."""
+    rng = np.random.default_rng(seed)
+    table, seq_lens = random_forest(rng, batch, block_size, max_shared_blocks=4, max_private_blocks=3)
+    query_lens = []
+    for seq_len in seq_lens.tolist():
+        boundary = (seq_len - 1) // block_size * block_size
+        choices = [1, int(rng.integers(0, min(seq_len, max_query_len) + 1))]
+        choices += [seq_len - c for c in (boundary - 1, boundary, boundary + 1) if c >= 0 and seq_len - c <= max_query_len]
+        query_lens.append(choices[int(rng.integers(0, len(choices)))])
+    query_lens = torch.tensor(query_lens, dtype=torch.int32)
+    rows = expand_query_rows(table, seq_lens, query_lens)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
+    query, kv_cache, _, _ = _decode_case(seed, 0, block_size, head_size, group, dtype,
+                                         table=rows.block_table, seq_lens=rows.seq_lens)
+    return query, kv_cache, table, seq_lens, qsl, rows
+
+
+@pytest.mark.parametrize("seed,batch,block_size,head_size,group,dtype,max_query_len,num_sms", MULTI_ROW_CASES)
+def test_tpp_decode_rows_of_several_tokens(emu, seed, batch, block_size, head_size, group, dtype, max_query_len,
+                                           num_sms):
+    query, kv_cache, table, seq_lens, qsl, rows = _multi_row_case(seed, batch, block_size, head_size, group, dtype,
+                                                                  max_query_len)
+    assert int((qsl[1:] - qsl[:-1]).max()) > 1, "the case must have a request of several tokens"
+    ctx = prefix_tree(rows.block_table, rows.unmasked_lens, block_size)
+    assert ctx.num_nodes > 0
+    scale = 1 / math.sqrt(head_size)
+    out = emu_decode(emu, query, kv_cache, rows.block_table, rows.seq_lens, ctx, scale, num_sms=num_sms)
+    _check(out, reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale), dtype)
+
+
+def test_tpp_decode_stacked_rows_span_several_tiles(emu):
+    """12 requests of 4 query tokens each on one 96-token prefix, GQA 2: the node
+    stacks 96 query-head rows per KV head, more than one 64-row tile; each
+    request's 4 rows also form a node over its private chunk."""
+    block_size = 16
+    table, seq_lens = multi_level(batch=12, levels=[(1, 96)], private=40, block_size=block_size)
+    query_lens = torch.full((12,), 4, dtype=torch.int32)
+    rows = expand_query_rows(table, seq_lens, query_lens)
+    qsl = torch.arange(13, dtype=torch.int32) * 4
+    query, kv_cache, _, _ = _decode_case(65, 0, block_size, 64, 2, torch.bfloat16,
+                                         table=rows.block_table, seq_lens=rows.seq_lens)
+    ctx = prefix_tree(rows.block_table, rows.unmasked_lens, block_size)
+    covered = (ctx.node_end - ctx.node_begin).tolist()
+    assert max(covered) == 48 and covered.count(4) == 12, covered  # the prefix node, and each request's own
+    out = emu_decode(emu, query, kv_cache, rows.block_table, rows.seq_lens, ctx, 0.125, num_sms=6)
+    _check(out, reference.paged_attention(query, kv_cache, qsl, seq_lens, table, 0.125), torch.bfloat16)
 
 
 PREFILL_CASES = [

@@ -155,3 +155,38 @@ def test_replot_draws_each_baseline_over_chunk(tmp_path, monkeypatch):
     assert run.with_suffix(".png").stat().st_size > 0
     assert drawn["sdpa"] == [1.0, 8.0, 8.0]
     assert drawn["flashinfer"][:2] == [0.5, 4.0] and math.isnan(drawn["flashinfer"][2])
+
+
+def test_relay_grid_and_its_method_inputs_on_cpu():
+    """The relay grid's points, and the inputs run_point builds for them: on the
+    CPU (our CPU kernels stand in for the CUDA ones), the tree rows and the
+    per-request prefill agree with the causal oracle, and the decode-only
+    baselines are skipped with a reason."""
+    relay = kg.grid_points(["relay"])
+    assert [p.query_len for p in relay] == list(kg.RELAY_QUERY_LENS)
+    assert all(p.batch == 32 and p.shared == 2048 and p.context == 2048 + 128 + p.query_len for p in relay)
+    point = kg.Point("relay", 4, 128, 128, 32 + 5, query_len=5)
+    settings = kg.Settings(heads=4, kv_heads=2, head_size=64, block_size=32, dtype="bfloat16",
+                           methods=["chunk", "chunk_prefill", "flashinfer", "sdpa"])
+    fns, skipped, facts = kg._method_fns(point, settings, torch.device("cpu"))
+    assert set(fns) == {"chunk", "chunk_prefill"}
+    assert set(skipped) == {"flashinfer", "sdpa"} and all("one query token" in why for why in skipped.values())
+    # The shared prefix is one node over all 20 rows; each request's own chunk one over its 5.
+    assert facts["nodes"] == 1 + 4
+    query, kv, table, seq_lens, scale = facts["inputs"]
+    assert query.shape == (20, 4, 64)
+    qsl = torch.arange(5, dtype=torch.int32) * 5
+    expected = reference.paged_attention(query, kv, qsl, seq_lens, table, scale)
+    for method, fn in fns.items():
+        torch.testing.assert_close(fn().float(), expected.float(), atol=3e-2, rtol=3e-2, msg=method)
+
+
+def test_relay_crossover_reads_the_threshold_off_the_grid():
+    def row(q, chunk, prefill):
+        return {"grid": "relay", "query_len": q, "times_us": {"chunk": chunk, "chunk_prefill": prefill}}
+
+    rows = [row(1, 10, 50), row(2, 20, 40), row(4, 30, 35), row(8, 50, 40), row(16, 40, 45)]
+    line = kg.relay_crossover(rows, group=2)
+    assert "at most 8 query rows per KV head" in line  # q = 4 x group 2; q = 8 lost, so 32 does not count
+    assert "2: yes, 4: yes, 8: yes, 16: no, 32: yes" in line
+    assert kg.relay_crossover([r for r in rows if r["query_len"] == 1][:0], group=1) is None

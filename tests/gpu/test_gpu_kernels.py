@@ -1,7 +1,7 @@
 """The CUDA kernels against the float64 reference on random prefix trees, on a GPU.
 
 Covers head sizes 64/128/256, block sizes 16/32/64/128, fp16/bf16 and GQA
-groups 1..8 (decode and prefill), the paper's shapes with long shared and
+groups 1..8 (decode, rows of several tokens per request, and prefill), the paper's shapes with long shared and
 private parts (several pieces per node and splits per request), the
 fixed-capacity (CUDA-graph) context with padding rows, strided inputs, and
 the KV write."""
@@ -29,6 +29,7 @@ from vllm_chunkattn.testing.paged_cases import (
     shared_prefix,
 )
 from vllm_chunkattn.prefix.plan import DecodeShape
+from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.prefix.tree import prefix_tree
 
 pytestmark = requires_gpu
@@ -121,6 +122,24 @@ def test_decode_strided_query_and_output():
     expected = reference.paged_attention(query, kv, torch.arange(17), seq_lens, table, 0.1)
     _check(out, expected, torch.float16)
     assert int(wide_out[:, query.shape[1] :].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_rows_of_several_tokens(dtype, group):
+    """Every query token of requests with 0 to 16 new tokens one tree row
+    (prefix/query_rows.py): the causal prefill's result."""
+    for seed, block_size in enumerate(BLOCK_SIZES):
+        rng = np.random.default_rng(100 + seed)
+        table, seq_lens = random_forest(rng, 16, block_size, max_shared_blocks=6, max_private_blocks=4)
+        query_lens = torch.tensor([int(rng.integers(0, min(int(n), 16) + 1)) for n in seq_lens], dtype=torch.int32)
+        rows = expand_query_rows(table, seq_lens, query_lens)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
+        query, kv = _inputs(rows.block_table, rows.seq_lens, block_size, 128, group, dtype, seed=seed)
+        ctx = prefix_tree(rows.block_table, rows.unmasked_lens, block_size)
+        out = torch.empty_like(query, device="cuda")
+        _decode(query.cuda(), kv.cuda(), rows.block_table.cuda(), rows.seq_lens.cuda(), ctx, 0.09, out)
+        _check(out, reference.paged_attention(query, kv, qsl, seq_lens, table, 0.09), dtype)
 
 
 @pytest.mark.parametrize("dtype,head_size,block_size", list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES)))

@@ -203,3 +203,51 @@ def test_the_burst_is_one_run_of_32_requests_behind_one_cached_prefix():
     others = [r for r in runs if r.workload.name == "prefix_repetition-2048"]
     assert [r.mode for r in others] == ["concurrency", "rate", "rate"]
     assert others[0].num_prompts == args.num_prompts
+
+
+# ---------------------------------------------------------------- offline batch (bench/offline.py)
+
+def test_offline_batch_prompts_share_exactly_the_system_prompt():
+    from vllm_chunkattn.bench.offline import BatchShape, make_prompts
+
+    prompts = make_prompts(BatchShape(num_requests=5, system_len=40, user_len=7, output_len=3), vocab_size=500, seed=1)
+    assert len(prompts) == 5 and all(len(p) == 47 for p in prompts)
+    assert len({tuple(p[:40]) for p in prompts}) == 1 and len({tuple(p[:41]) for p in prompts}) == 5
+    assert all(100 <= t < 400 for p in prompts for t in p)
+    assert make_prompts(BatchShape(5, 40, 7, 3), 500, seed=1) == prompts
+
+
+def _fake_offline_runs(monkeypatch, tmp_path, chunk_tokens):
+    """bench/offline.main with engine runs replaced: stock takes 10 s, chunk 8 s."""
+    from vllm_chunkattn.bench import offline
+
+    order = []
+
+    def run_one(args, backend, round_, out_dir):
+        order.append((round_, backend))
+        tokens = [1, 2, 3] if backend == "stock" else chunk_tokens
+        record = {"results": [{"tokens": tokens, "top_logprobs": [[[t, -0.5], [9, -2.0]] for t in tokens]}]}
+        result = offline.RunResult(backend, round_, 10.0 if backend == "stock" else 8.0, 50, 3, 1.0,
+                                   "CHUNK prefix tree, whole run: ..." if backend == "chunk" else "")
+        return result, record
+
+    monkeypatch.setattr(offline, "run_one", run_one)
+    code = offline.main(["--model", str(tmp_path), "--repeats", "3", "--out", str(tmp_path / "out")])
+    return code, order
+
+
+def test_offline_batch_alternates_the_backends_and_reports_ratios(monkeypatch, tmp_path):
+    code, order = _fake_offline_runs(monkeypatch, tmp_path, [1, 2, 3])
+    assert code == 0
+    assert order == [(0, "stock"), (0, "chunk"), (1, "chunk"), (1, "stock"), (2, "stock"), (2, "chunk")]
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "**Throughput chunk/stock: 1.25x**" in table and table.count("| chunk |") == 3
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(saved["runs"]) == 6 and [a["compared_steps"] for a in saved["agreement"]] == [3, 3, 3]
+
+
+def test_offline_batch_reports_no_speed_when_outputs_differ(monkeypatch, tmp_path, capsys):
+    code, _ = _fake_offline_runs(monkeypatch, tmp_path, [1, 5, 3])
+    assert code == 1
+    assert not (tmp_path / "out" / "table.md").exists()
+    assert "no speed is reported" in capsys.readouterr().err

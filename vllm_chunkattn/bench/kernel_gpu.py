@@ -12,9 +12,14 @@ uses the same points):
   figure4     Figure 4: n_p = n_s = 2048, n_c = 64, b = 1 .. 128
   multilevel  a three-level tree: 1 system prompt (1024) -> 4 documents (512)
               -> 4 templates (256) each, 128 private tokens per request
+  relay       b = 32, q in {1, 2, 4, 8, 16, 64} new tokens per request after
+              2048 shared + 128 private tokens (RelayAttention's prompt
+              phase, speculative rows): where the tree path stops paying on
+              this GPU, i.e. what CUDA.tree_max_rows_per_kv_head should be
 Each point decodes one token per request over a context of n_p + n_c tokens
 (n_c >= 1: the token being decoded is the request's own), the first n_s of
-them one physical copy shared by all (vLLM prefix caching: whole blocks).
+them one physical copy shared by all (vLLM prefix caching: whole blocks);
+relay points decode the last q of them, causally (prefix/query_rows.py).
 Model shape defaults to the paper's: 32 heads of 128, chunk (block) 64, fp16.
 
 Methods (one column each; a method that is not installed or does not apply
@@ -23,6 +28,9 @@ to a point says so instead of a time):
                  nodes on tensor cores + sequence-first phase + merge
   chunk_no_tree  the same kernels with an empty tree (no chunk-first phase):
                  what TPP itself buys
+  chunk_prefill  our per-request paged prefill (ops.paged_prefill), where
+                 requests have several new tokens: the path the engine takes
+                 for them above the tree threshold
   fa_shared      vLLM's FlashAttention decode (flash_attn_varlen_func, paged)
                  over the same physically shared blocks (the paper's PagedAttn*)
   fa_unshared    the same with every request's own copy of the prefix (PagedAttn)
@@ -58,12 +66,14 @@ import torch
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
+from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.prefix.tree import context_from_nodes
 from vllm_chunkattn.testing.paged_cases import multi_level, num_blocks_needed, shared_prefix
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 
-METHODS = ["chunk", "chunk_no_tree", "fa_shared", "fa_unshared", "flashinfer", "xformers", "sdpa"]
+METHODS = ["chunk", "chunk_no_tree", "chunk_prefill", "fa_shared", "fa_unshared", "flashinfer", "xformers", "sdpa"]
+RELAY_QUERY_LENS = (1, 2, 4, 8, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Point:
     completion: int  # n_c: tokens decoded so far (>= 1: includes the current one)
     levels: tuple[tuple[int, int], ...] = ()  # multi-level tree: (fan-out, tokens) per level
     private: int = 0  # multi-level tree: private tokens per request
+    query_len: int = 1  # new tokens per request (the last of the context), one tree row each
 
     @property
     def context(self) -> int:
@@ -85,7 +96,8 @@ class Point:
     def label(self) -> str:
         if self.levels:
             return f"{self.grid} b={self.batch} levels={list(self.levels)} private={self.private}"
-        return f"{self.grid} b={self.batch} n_p={self.prompt} n_s={self.shared} n_c={self.completion}"
+        rows = f" q={self.query_len}" if self.query_len > 1 else ""
+        return f"{self.grid} b={self.batch} n_p={self.prompt} n_s={self.shared} n_c={self.completion}{rows}"
 
 
 def grid_points(names: list[str], quick: bool = False) -> list[Point]:
@@ -103,6 +115,7 @@ def grid_points(names: list[str], quick: bool = False) -> list[Point]:
             Point("multilevel", b, 0, 0, 0, levels=((1, 1024), (4, 512), (4, 256)), private=128)
             for b in (32, 64, 128)
         ],
+        "relay": [Point("relay", 32, 2048, 2048, 128 + q, query_len=q) for q in RELAY_QUERY_LENS],
     }
     unknown = [n for n in names if n not in grids]
     if unknown:
@@ -254,35 +267,46 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
 
     dtype = getattr(torch, s.dtype)
     table, seq_lens = point_table(point, s.block_size)
-    batch, seq_len = table.shape[0], int(seq_lens.max())
+    batch, seq_len, q = table.shape[0], int(seq_lens.max()), point.query_len
     gen = torch.Generator(device=device).manual_seed(0)
     num_blocks = num_blocks_needed(table)
     kv = torch.randn(num_blocks, s.kv_heads, s.block_size, 2 * s.head_size, device=device, generator=gen).to(dtype)
-    query = torch.randn(batch, s.heads, s.head_size, device=device, generator=gen).to(dtype)
+    query = torch.randn(batch * q, s.heads, s.head_size, device=device, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(s.head_size)
     table_d, lens_d = table.to(device), seq_lens.to(device)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q
     started = time.perf_counter()
-    ctx = prefix_tree(table, seq_lens, s.block_size)
+    # One tree row per query token (for q = 1: the requests themselves), as the builder makes them.
+    rows = expand_query_rows(table, seq_lens, torch.full((batch,), q))
+    ctx = prefix_tree(rows.block_table, rows.unmasked_lens, s.block_size)
     facts = {"tree_build_ms": (time.perf_counter() - started) * 1e3, "nodes": ctx.num_nodes,
              "partial_rows": ctx.num_partial_rows, "context": seq_len,
              "inputs": (query, kv, table, seq_lens, scale)}
+    num_rows = batch * q
+    rows_table_d, rows_lens_d = rows.block_table.to(device), rows.seq_lens.to(device)
     fns: dict[str, Callable[[], torch.Tensor]] = {}
     skipped: dict[str, str] = {}
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 40
     dense_bytes = 2 * batch * seq_len * s.kv_heads * s.head_size * query.element_size()
 
     def chunk_fn(tree: PrefixTreeContext) -> Callable[[], torch.Tensor]:
-        buffers = DeviceTreeBuffers(batch, max(tree.num_nodes, 1), max(tree.num_partial_rows, 1), device)
-        view = buffers.load(tree, batch)
+        buffers = DeviceTreeBuffers(num_rows, max(tree.num_nodes, 1), max(tree.num_partial_rows, 1), device)
+        view = buffers.load(tree, num_rows)
         # Planned once, as the builder does per step; the timed call is one layer's.
-        plan = ops.plan_tpp_decode(DecodeShape.of_layer(query, kv), table_d, lens_d, view)
+        plan = ops.plan_tpp_decode(DecodeShape.of_layer(query, kv), rows_table_d, rows_lens_d, view)
         out = torch.empty_like(query)
         return lambda: ops.tpp_decode(query, kv, plan, scale, out)
 
     if "chunk" in s.methods:
         fns["chunk"] = chunk_fn(ctx)
     if "chunk_no_tree" in s.methods:
-        fns["chunk_no_tree"] = chunk_fn(context_from_nodes(np.arange(batch), [], batch))
+        fns["chunk_no_tree"] = chunk_fn(context_from_nodes(np.arange(num_rows), [], num_rows))
+    if "chunk_prefill" in s.methods:
+        if q == 1:
+            skipped["chunk_prefill"] = "one-token rows: the engine's path is the tree"
+        else:
+            prefill_out = torch.empty_like(query)
+            fns["chunk_prefill"] = lambda: ops.paged_prefill(query, kv, cu_q, lens_d, table_d, scale, prefill_out)
 
     if "fa_shared" in s.methods or "fa_unshared" in s.methods:
         try:
@@ -290,12 +314,11 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
 
             fa_version = get_flash_attn_version()
             k_fa, v_fa = flash_layout(kv)
-            cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
             def fa_fn(k_cache, v_cache, blocks):
                 out = torch.empty_like(query)
                 kwargs = dict(
-                    q=query, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens_d,
+                    q=query, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q, seqused_k=lens_d,
                     max_seqlen_k=seq_len, softmax_scale=scale, causal=True, block_table=blocks,
                 )
                 if fa_version is not None:
@@ -322,7 +345,11 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
             for m in ("fa_shared", "fa_unshared"):
                 skipped.setdefault(m, f"vLLM FlashAttention unavailable: {type(e).__name__}: {e}")
 
-    if "flashinfer" in s.methods:
+    decode_only = [m for m in ("flashinfer", "xformers", "sdpa") if m in s.methods]
+    if q > 1:  # these baselines are set up for one query token per request
+        for m in decode_only:
+            skipped[m] = "one query token per request only"
+    elif "flashinfer" in s.methods:
         try:
             import flashinfer
 
@@ -354,7 +381,7 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
         except Exception as e:
             skipped["flashinfer"] = f"{type(e).__name__}: {e}"
 
-    dense_needed = [m for m in ("xformers", "sdpa") if m in s.methods]
+    dense_needed = [m for m in ("xformers", "sdpa") if m in s.methods and q == 1]
     if dense_needed:
         if int(seq_lens.min()) != seq_len:
             for m in dense_needed:
@@ -397,7 +424,7 @@ def run_point(point: Point, s: Settings, device: torch.device) -> dict:
         if method not in fns:
             continue
         try:
-            outputs[method] = fns[method]().float().clone()  # every method returns [batch, heads, head_size]
+            outputs[method] = fns[method]().float().clone()  # every method returns [batch * q, heads, head_size]
             torch.cuda.synchronize()
         except Exception as e:
             skipped[method] = f"{type(e).__name__}: {e}"
@@ -428,18 +455,44 @@ def run_point(point: Point, s: Settings, device: torch.device) -> dict:
 
 def markdown(rows: list[dict], methods: list[str]) -> str:
     shown = [m for m in methods if any(m in r["times_us"] for r in rows)]
-    header = ["grid", "b", "n_p", "n_s", "n_c", "context", "nodes"] + [f"{m} (us)" for m in shown]
-    if "fa_shared" in shown:
-        header.append("fa_shared / chunk")
+    ratios = [m for m in ("fa_shared", "chunk_prefill") if m in shown]
+    header = ["grid", "b", "n_p", "n_s", "n_c", "q", "context", "nodes"] + [f"{m} (us)" for m in shown]
+    header += [f"{m} / chunk" for m in ratios]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [r["grid"], r["batch"], r["prompt"] or "-", r["shared"] or ("-" if r["levels"] else 0),
-                 r["completion"] or "-", r["context"], r["nodes"]]
+                 r["completion"] or "-", r.get("query_len", 1), r["context"], r["nodes"]]
         cells += [r["times_us"].get(m, "n/a") for m in shown]
-        if "fa_shared" in shown:
-            cells.append(f"{r.get('speedup_vs', {}).get('fa_shared', 'n/a')}x")
+        cells += [f"{r.get('speedup_vs', {}).get(m, 'n/a')}x" for m in ratios]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def relay_crossover(rows: list[dict], group: int) -> str | None:
+    """Where the tree path stops beating our per-request prefill on the relay
+    grid: the most query rows per KV head (q x GQA group) up to which it won
+    at every point, against the engine's CUDA.tree_max_rows_per_kv_head."""
+    from vllm_chunkattn.kernels.support import CUDA
+
+    wins: dict[int, bool] = {}
+    for r in rows:
+        t = r["times_us"]
+        if r["grid"] != "relay" or "chunk" not in t or "chunk_prefill" not in t:
+            continue
+        rows_per_kv_head = r["query_len"] * group
+        wins[rows_per_kv_head] = wins.get(rows_per_kv_head, True) and t["chunk"] <= t["chunk_prefill"]
+    if not wins:
+        return None
+    most = group  # one-token rows always take the tree
+    for n in sorted(wins):
+        if not wins[n]:
+            break
+        most = n
+    measured = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in sorted(wins.items()))
+    return (f"Relay: the tree path was at least as fast as our per-request prefill at every point with at most "
+            f"{most} query rows per KV head (q x GQA group; measured: {measured}). The engine sends a request to "
+            f"the tree path on CUDA when q x group <= {CUDA.tree_max_rows_per_kv_head} "
+            f"(kernels/support.py, CUDA.tree_max_rows_per_kv_head).")
 
 
 def plot_speedups(rows: list[dict], methods: list[str], title: str, path: Path) -> None:
@@ -482,7 +535,8 @@ def plot_speedups(rows: list[dict], methods: list[str], title: str, path: Path) 
 def _short_label(row: dict) -> str:
     if row["levels"]:
         return f"b={row['batch']}"
-    return f"b={row['batch']}\n{row['prompt']}/{row['shared']}/{row['completion']}"
+    rows = f" q={row['query_len']}" if row.get("query_len", 1) > 1 else ""
+    return f"b={row['batch']}{rows}\n{row['prompt']}/{row['shared']}/{row['completion']}"
 
 
 def _title(meta: dict) -> str:
@@ -501,7 +555,7 @@ def replot(json_path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.kernel_gpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--grids", nargs="+", default=["table3", "figure3", "figure4", "multilevel"])
+    ap.add_argument("--grids", nargs="+", default=["table3", "figure3", "figure4", "multilevel", "relay"])
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
@@ -563,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": props.name, "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
             "cuda": torch.version.cuda, "settings": asdict(settings)}
     table = markdown([r for r in rows if not r["disagreements"]], settings.methods)
+    crossover = relay_crossover([r for r in rows if not r["disagreements"]], settings.heads // settings.kv_heads)
+    if crossover:
+        table += "\n\n" + crossover
     out.with_suffix(".json").write_text(json.dumps({"machine": record, "meta": meta, "results_from_other_cpus": others,
                                                     "disagreements": [asdict(d) for d in failures], "rows": rows},
                                                    indent=1, default=str))
