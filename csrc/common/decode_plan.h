@@ -7,11 +7,13 @@
 // A plan is five int32 tensors (vllm_chunkattn/prefix/plan.py, DecodeWork):
 //   header        [kDecodePlanHeaderInts] on the host: DecodePlanHeader below.
 //   items         [num_items + 1, 4] chunk-first work list, ended by a row
-//                 whose node is -1 (kNoNode). CPU: (node, kv head, split, 0),
-//                 costliest first. CUDA: (node, row tile, piece, 0), every KV
+//                 whose node is -1 (kNoNode). CPU: (node, first kv head, split,
+//                 kv heads), costliest first: a node too small to pay for an
+//                 item per head takes several heads per item. CUDA: (node, row tile, piece, 0), every KV
 //                 head of an item run by one block; the list has a fixed
 //                 capacity (shapes only), so the end row moves, not the size.
-//   node_work     [num_nodes, 4] per node: (first slot, pieces, piece size, 0):
+//   node_work     [num_nodes, 4] per node: (first slot, pieces, piece size,
+//                 CPU: kv heads per item; CUDA: 0):
 //                 the node's chunks are cut into `pieces` pieces of `piece size`
 //                 (CPU: chunks; CUDA: KV tiles); each piece writes the node's
 //                 rows' partials at slots first + piece * rows + row.
@@ -30,8 +32,8 @@ constexpr int32_t kNoNode = -1;
 constexpr int kPlanRowInts = 4;  // ints per row of items / node_work / partial_work
 
 // Fields of the rows above (index within a row).
-enum PlanItemField : int { kItemNode = 0, kItemHeadOrTile = 1, kItemPiece = 2 };
-enum PlanNodeField : int { kNodeFirstSlot = 0, kNodePieces = 1, kNodePieceSize = 2 };
+enum PlanItemField : int { kItemNode = 0, kItemHeadOrTile = 1, kItemPiece = 2, kItemHeads = 3 /* CPU */ };
+enum PlanNodeField : int { kNodeFirstSlot = 0, kNodePieces = 1, kNodePieceSize = 2, kNodeHeadsPerItem = 3 /* CPU */ };
 enum PlanPartialField : int { kPartialFirstSlot = 0, kPartialSlotStride = 1, kPartialPieces = 2, kPartialNode = 3 };
 
 // The shapes a plan was built for, and the sizes its run needs. int32 fields

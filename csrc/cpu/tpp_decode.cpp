@@ -12,12 +12,15 @@
 //   of the node partial rows the row merges).
 //
 // Work decomposition (G = num_heads / num_kv_heads):
-//   Phase 1, chunk-first: items (node, kv head, split). The queries of all the
+//   Phase 1, chunk-first: items (node, kv heads, split). The queries of all the
 //     node's requests x G form one [rows*G, D] matrix, attended against the
 //     node's chunks as matrix-matrix tiles (attend_lanes). A node whose
 //     chunks are a large share of the phase is split along its chunks so
 //     every thread gets work even for one big shared prefix; each split
-//     writes its own fp32 partial (o, m, n).
+//     writes its own fp32 partial (o, m, n). A small node (the rows of one
+//     request with a few new tokens over its private chunks) takes several
+//     KV heads per item, walked as the sequence-first phase walks them:
+//     an item per head would cost more to hand out than to compute.
 //   Phase 2, sequence-first: items (batch row, group of kv heads). For each
 //     kv head, the row's G query heads attend its private chunks
 //     (block_table[row, shared_chunks[row]:]), last one partially filled,
@@ -160,11 +163,11 @@ void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_wor
     total += cost[k] * h.num_kv_heads;
   }
   const double target = total / static_cast<double>(h.num_threads * kItemsPerThread);
-  struct Item {
-    int32_t node, head, split;
+  struct Item4 {
+    int32_t node, head, split, heads;
     double cost;
   };
-  std::vector<Item> work;
+  std::vector<Item4> work;
   int64_t slots = 0;
   for (int64_t k = 0; k < num_nodes; ++k) {
     const int32_t rows = c.node_end[k] - c.node_begin[k];
@@ -187,11 +190,17 @@ void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_wor
       partial[kPartialNode] = static_cast<int32_t>(k);
     }
     slots += static_cast<int64_t>(rows) * splits;
-    for (int32_t head = 0; head < h.num_kv_heads; ++head)
+    // Heads per item: as many as keep the item within the per-item target (one for a split node).
+    const int32_t heads = splits > 1 ? 1
+        : static_cast<int32_t>(std::clamp<double>(std::floor(target / std::max(cost[k], 1.0)), 1.0, h.num_kv_heads));
+    node[kNodeHeadsPerItem] = heads;
+    for (int32_t head = 0; head < h.num_kv_heads; head += heads) {
+      const int32_t nh = std::min<int32_t>(heads, h.num_kv_heads - head);
       for (int32_t split = 0; split < splits; ++split)
-        work.push_back({static_cast<int32_t>(k), head, split, cost[k] / splits});
+        work.push_back({static_cast<int32_t>(k), head, split, nh, cost[k] * nh / splits});
+    }
   }
-  std::stable_sort(work.begin(), work.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::stable_sort(work.begin(), work.end(), [](const Item4& a, const Item4& b) { return a.cost > b.cost; });
   for (int64_t i = 0; i < c.num_row_partials; ++i)
     TORCH_CHECK(pw[static_cast<int64_t>(c.row_partials[i]) * kPlanRowInts + kPartialNode] != kNoNode,
                 "chunkattn: partial row ", c.row_partials[i], " belongs to no node");
@@ -200,8 +209,8 @@ void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_wor
   items.resize_({num_items + 1, kPlanRowInts});
   int32_t* it = items.data_ptr<int32_t>();
   for (int64_t i = 0; i < num_items; ++i)
-    std::copy_n(std::array<int32_t, kPlanRowInts>{work[i].node, work[i].head, work[i].split, 0}.data(), kPlanRowInts,
-                it + i * kPlanRowInts);
+    std::copy_n(std::array<int32_t, kPlanRowInts>{work[i].node, work[i].head, work[i].split, work[i].heads}.data(),
+                kPlanRowInts, it + i * kPlanRowInts);
   std::fill_n(it + num_items * kPlanRowInts, kPlanRowInts, 0);
   it[num_items * kPlanRowInts + kItemNode] = kNoNode;
 
@@ -267,30 +276,51 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
 
   // Unfinished phase-1 items per node; phase-2 items wait on them before merging.
   std::unique_ptr<std::atomic<int32_t>[]> pending(new std::atomic<int32_t>[std::max<int64_t>(num_nodes, 1)]);
-  for (int64_t k = 0; k < num_nodes; ++k)
-    pending[k].store(static_cast<int32_t>(num_kv_heads * node_field(k, kNodePieces)));
+  for (int64_t k = 0; k < num_nodes; ++k) {
+    const int64_t heads = node_field(k, kNodeHeadsPerItem);
+    pending[k].store(static_cast<int32_t>((num_kv_heads + heads - 1) / heads * node_field(k, kNodePieces)));
+  }
 
-  // ---- Phase 1: chunk-first, one item per (node, kv head, split).
+  // ---- Phase 1: chunk-first, one item per (node, kv heads, split).
   auto chunk_first = [&](int64_t i) {
     const int32_t* item = plan.items + i * kPlanRowInts;
-    const int32_t k = item[kItemNode], h = item[kItemHeadOrTile], s = item[kItemPiece];
+    const int32_t k = item[kItemNode], h0 = item[kItemHeadOrTile], s = item[kItemPiece], nh = item[kItemHeads];
     const int32_t rows = ctx.node_end[k] - nb[k];
     const int32_t per_split = node_field(k, kNodePieceSize);
     const int64_t M = static_cast<int64_t>(rows) * group;
-    float* q = cpu::driver_scratch().get(0, M * D);
-    for (int32_t t = 0; t < rows; ++t) {
-      const int64_t b = ord[nb[k] + t];
-      for (int64_t g = 0; g < group; ++g)
-        cpu::load_scaled(q_data + b * q_s0 + (h * group + g) * q_s1, D, scale, q + (t * group + g) * D);
-    }
+    cpu::DriverScratch& scr = cpu::driver_scratch();
+    float* q = scr.get(0, nh * M * D);  // [nh, M, D]
+    for (int32_t hh = 0; hh < nh; ++hh)
+      for (int32_t t = 0; t < rows; ++t) {
+        const int64_t b = ord[nb[k] + t];
+        for (int64_t g = 0; g < group; ++g)
+          cpu::load_scaled(q_data + b * q_s0 + ((h0 + hh) * group + g) * q_s1, D, scale,
+                           q + ((hh * rows + t) * group + g) * D);
+      }
     const int32_t c0 = ncb[k] + s * per_split;
     const int32_t c1 = std::min(nce[k], c0 + per_split);
-    const int64_t row0 = h * part_rows + (node_field(k, kNodeFirstSlot) + static_cast<int64_t>(s) * rows) * group;
+    // The partial rows of head h: slots of this split, in part_o's [kv head, slot, G] order.
+    auto partial_row = [&](int64_t h) {
+      return h * part_rows + (node_field(k, kNodeFirstSlot) + static_cast<int64_t>(s) * rows) * group;
+    };
     AttnJob job{q, static_cast<int>(M), table + ord[nb[k]] * table_stride + c0,
-                static_cast<int>((c1 - c0) * block_size), h, nullptr,
-                part_o + row0 * D, part_m + row0, part_n + row0};
+                static_cast<int>((c1 - c0) * block_size), h0, nullptr,
+                part_o + partial_row(h0) * D, part_m + partial_row(h0), part_n + partial_row(h0)};
     job.q_scale = scale;
-    (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+    if (nh > 1) {  // the tiles write [nh, M] rows; the partials of each head are part_rows apart
+      float* o = scr.get(1, nh * M * D);
+      float* mn = scr.get(2, 2 * nh * M);
+      job.o = o, job.m = mn, job.n = mn + nh * M, job.num_heads = nh;
+      (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+      for (int32_t hh = 0; hh < nh; ++hh) {
+        const int64_t row0 = partial_row(h0 + hh);
+        std::copy_n(o + hh * M * D, M * D, part_o + row0 * D);
+        std::copy_n(job.m + hh * M, M, part_m + row0);
+        std::copy_n(job.n + hh * M, M, part_n + row0);
+      }
+    } else {
+      (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+    }
     pending[k].fetch_sub(1, std::memory_order_release);
   };
 

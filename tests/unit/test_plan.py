@@ -58,8 +58,13 @@ def test_items_cover_every_node_head_and_split_once(threads, num_threads, tree_i
     assert items[-1][0] == NO_NODE, "the list ends with an end row"
     items = items[:-1]
     assert len(items) == work.num_items
-    seen = [(node, head, split) for node, head, split, _ in items]
-    assert len(seen) == len(set(seen)), "an item appears twice"
+    # An item covers KV heads [head, head + heads): one for a split node, several for a small one.
+    seen = [(node, h, split) for node, head, split, heads in items for h in range(head, head + heads)]
+    assert len(seen) == len(set(seen)), "a (node, head, split) appears in two items"
+    for node, head, split, heads in items:
+        per_item = int(work.node_work[node, 3])
+        assert 1 <= heads <= per_item and head % per_item == 0
+        assert per_item == 1 or int(work.node_work[node, 1]) == 1
     expected = {
         (k, h, s)
         for k in range(ctx.num_nodes)
@@ -67,6 +72,26 @@ def test_items_cover_every_node_head_and_split_once(threads, num_threads, tree_i
         for s in range(int(work.node_work[k, 1]))
     }
     assert set(seen) == expected
+
+
+def test_small_nodes_take_several_kv_heads_per_item(threads):
+    """32 requests with 4 new tokens each on a 2048-token prefix: each request's
+    own 4 rows form a node over its private chunk, too small for an item per
+    KV head; the prefix node is an item per head (and split)."""
+    from vllm_chunkattn.prefix.query_rows import expand_query_rows
+
+    threads(2)
+    table, seq_lens = shared_prefix(batch=32, context=2048 + 64 + 4, shared=2048, block_size=64)
+    rows = expand_query_rows(table, seq_lens, torch.full((32,), 4))
+    ctx = prefix_tree(rows.block_table, rows.unmasked_lens, 64)
+    shape = _shape(num_kv_heads=8, group=1, head_size=128, block_size=64)
+    plan = ops.plan_tpp_decode(shape, rows.block_table, rows.seq_lens, ctx)
+    covered = (ctx.node_end - ctx.node_begin).tolist()
+    node_work = plan.work.node_work.tolist()
+    big = covered.index(128)
+    assert node_work[big][3] == 1
+    assert all(node_work[k][3] == 8 for k in range(ctx.num_nodes) if covered[k] == 4)
+    assert plan.work.num_items == node_work[big][1] * 8 + 32
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 8])
