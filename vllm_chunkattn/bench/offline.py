@@ -38,6 +38,7 @@ from pathlib import Path
 from vllm_chunkattn.backend.stats import parse_run_summaries
 from vllm_chunkattn.bench import machine
 from vllm_chunkattn.testing.compare import compare_runs
+from vllm_chunkattn.testing.models import add_model_arguments
 
 BACKENDS = ("stock", "chunk")
 
@@ -175,10 +176,7 @@ def paired(results: list[RunResult]) -> list[tuple[RunResult, RunResult]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.offline", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", help="model directory (default: the generated model --model-name)")
-    ap.add_argument("--model-name", choices=["bench", "bench-gqa", "tiny"],
-                    help="generated model when --model is not given: bench (MHA, 2 layers, small MLP; default), "
-                    "bench-gqa (GQA 4:1, 4 layers, MLP 3.5x hidden) or tiny (--quick's default)")
+    add_model_arguments(ap, default="bench")
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 requests of 256 + 16 tokens, 16 output tokens")
     ap.add_argument("--num-requests", type=int, help="default 256 (--quick 16)")
     ap.add_argument("--system-len", type=int, help="default 2048 (--quick 256)")

@@ -39,6 +39,7 @@ from vllm_chunkattn.bench import greedy_check, machine
 from vllm_chunkattn.bench.metrics_poller import FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, MetricsPoller
 from vllm_chunkattn.bench.report import CLIENT_FIELDS, summarise_raw, write_report
 from vllm_chunkattn.bench.workloads import Workload, workloads
+from vllm_chunkattn.testing.models import add_model_arguments
 from vllm_chunkattn.testing.server import ServerError, VllmServer
 
 SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
@@ -49,11 +50,7 @@ SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.serve", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", help="model directory (default: the generated model --model-name)")
-    ap.add_argument("--model-name", choices=["bench-gqa", "bench", "tiny"],
-                    help="generated model (vllm_chunkattn/testing/models.py) when --model is not given: bench-gqa "
-                    "(default: Llama-3-8B's shape scaled down, GQA 4:1, MLP 3.5x hidden, 4 layers), bench (MHA, "
-                    "2 layers, small MLP: attention is a larger share of a step) or tiny (--quick's default)")
+    add_model_arguments(ap, default="bench-gqa")
     ap.add_argument("--repeats", type=int, help="runs of each configuration per server, alternating the servers "
                     "(default 2; --quick 1)")
     ap.add_argument("--quick", action="store_true",

@@ -45,6 +45,24 @@ SPECS: dict[str, dict[str, int]] = {
     }.items()
 }
 
+# What the benchmarks' --model-name choices are, for their help texts.
+BENCH_MODELS = {
+    "bench-gqa": "Llama-3-8B's shape scaled down: GQA 4:1, MLP 3.5x hidden, 4 layers",
+    "bench": "MHA, 2 layers, small MLP: attention is a larger share of a step",
+    "tiny": "the test model, for quick runs",
+}
+
+
+def add_model_arguments(parser, default: str) -> None:
+    """--model and --model-name for a benchmark whose generated model defaults to `default`."""
+    parser.add_argument("--model", help="model directory (default: the generated model --model-name)")
+    parser.add_argument("--model-name", choices=list(BENCH_MODELS),
+                        help="generated model (vllm_chunkattn/testing/models.py) when --model is not given; "
+                        + "; ".join(f"{name}{' (default)' if name == default else ''}: {what}"
+                                    for name, what in BENCH_MODELS.items())
+                        + "; --quick runs tiny")
+
+
 MAX_VOCAB = 2000  # upper bound: the corpus runs out of merges at 1695 tokens
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>"]  # ids 0..3, in this order
 CHAT_TEMPLATE = (
