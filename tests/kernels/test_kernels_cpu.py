@@ -336,6 +336,9 @@ def test_tpp_decode_all_context_shared(isa):
     ref = _decode_reference(case)
     assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), case["scale"], out),
                   case["query"], 0, ref, case["dtype"], "tpp_decode")
+    out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
+                                   case["scale"])
+    assert_close(out, ref, case["dtype"], "torch_fallback.tpp_decode, no private token")
 
 
 def test_tpp_decode_rejects_unsupported_head_size():

@@ -31,6 +31,9 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
     Rows that see no key get m = -inf, n = 0, o = 0.
     """
+    if k.shape[-2] == 0:  # no key at all (every request's context lies in nodes): amax needs one
+        m = q.new_full(q.shape[:-1], float("-inf"))
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), m, torch.zeros_like(m)
     scores = q @ k.transpose(-1, -2)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
