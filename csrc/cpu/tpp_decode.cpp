@@ -163,11 +163,11 @@ void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_wor
     total += cost[k] * h.num_kv_heads;
   }
   const double target = total / static_cast<double>(h.num_threads * kItemsPerThread);
-  struct Item4 {
+  struct Item {
     int32_t node, head, split, heads;
     double cost;
   };
-  std::vector<Item4> work;
+  std::vector<Item> work;
   int64_t slots = 0;
   for (int64_t k = 0; k < num_nodes; ++k) {
     const int32_t rows = c.node_end[k] - c.node_begin[k];
@@ -200,7 +200,7 @@ void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_wor
         work.push_back({static_cast<int32_t>(k), head, split, nh, cost[k] * nh / splits});
     }
   }
-  std::stable_sort(work.begin(), work.end(), [](const Item4& a, const Item4& b) { return a.cost > b.cost; });
+  std::stable_sort(work.begin(), work.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   for (int64_t i = 0; i < c.num_row_partials; ++i)
     TORCH_CHECK(pw[static_cast<int64_t>(c.row_partials[i]) * kPlanRowInts + kPartialNode] != kNoNode,
                 "chunkattn: partial row ", c.row_partials[i], " belongs to no node");
@@ -307,19 +307,17 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
                 static_cast<int>((c1 - c0) * block_size), h0, nullptr,
                 part_o + partial_row(h0) * D, part_m + partial_row(h0), part_n + partial_row(h0)};
     job.q_scale = scale;
-    if (nh > 1) {  // the tiles write [nh, M] rows; the partials of each head are part_rows apart
-      float* o = scr.get(1, nh * M * D);
+    job.num_heads = nh;
+    if (nh > 1) {  // the tiles write [nh, M] rows into scratch; each head's partials are part_rows apart
       float* mn = scr.get(2, 2 * nh * M);
-      job.o = o, job.m = mn, job.n = mn + nh * M, job.num_heads = nh;
-      (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
-      for (int32_t hh = 0; hh < nh; ++hh) {
-        const int64_t row0 = partial_row(h0 + hh);
-        std::copy_n(o + hh * M * D, M * D, part_o + row0 * D);
-        std::copy_n(job.m + hh * M, M, part_m + row0);
-        std::copy_n(job.n + hh * M, M, part_n + row0);
-      }
-    } else {
-      (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+      job.o = scr.get(1, nh * M * D), job.m = mn, job.n = mn + nh * M;
+    }
+    (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+    for (int32_t hh = 0; nh > 1 && hh < nh; ++hh) {
+      const int64_t row0 = partial_row(h0 + hh);
+      std::copy_n(job.o + hh * M * D, M * D, part_o + row0 * D);
+      std::copy_n(job.m + hh * M, M, part_m + row0);
+      std::copy_n(job.n + hh * M, M, part_n + row0);
     }
     pending[k].fetch_sub(1, std::memory_order_release);
   };

@@ -35,10 +35,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vllm_chunkattn import BACKEND_NAME
 from vllm_chunkattn.backend.stats import parse_run_summaries
 from vllm_chunkattn.bench import machine
 from vllm_chunkattn.testing.compare import compare_runs
 from vllm_chunkattn.testing.models import add_model_arguments
+from vllm_chunkattn.testing.workload import random_token_ids
 
 BACKENDS = ("stock", "chunk")
 
@@ -52,12 +54,10 @@ class BatchShape:
 
 
 def make_prompts(shape: BatchShape, vocab_size: int, seed: int) -> list[list[int]]:
-    """Token ids: one system prompt, then each request's own tokens. Ids avoid
-    the low ones (special tokens) and the top of the vocabulary."""
+    """Token ids: one system prompt, then each request's own tokens."""
     rng = random.Random(seed)
-    token = lambda: rng.randrange(100, vocab_size - 100)  # noqa: E731
-    system = [token() for _ in range(shape.system_len)]
-    return [system + [token() for _ in range(shape.user_len)] for _ in range(shape.num_requests)]
+    system = random_token_ids(rng, shape.system_len, vocab_size)
+    return [system + random_token_ids(rng, shape.user_len, vocab_size) for _ in range(shape.num_requests)]
 
 
 def run_engine(args: argparse.Namespace) -> dict:
@@ -116,7 +116,7 @@ def run_one(args: argparse.Namespace, backend: str, round_: int, out_dir: Path) 
     record = json.loads(out.read_text())
     out.unlink()  # tokens are compared here; the raw records are large
     summaries = parse_run_summaries(text)
-    sharing = text[text.rfind("CHUNK prefix tree, whole run"):].splitlines()[0] if summaries else ""
+    sharing = text[text.rfind(f"{BACKEND_NAME} prefix tree, whole run"):].splitlines()[0] if summaries else ""
     result = RunResult(backend, round_, record["generate_s"],
                        sum(r["prompt_tokens"] for r in record["results"]),
                        sum(len(r["tokens"]) for r in record["results"]), record["engine_start_s"], sharing)
@@ -189,7 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096, help="vLLM's offline default on CPU")
     ap.add_argument("--kv-cache-space", type=int, default=4, help="GiB, VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--logprob-atol", type=float, default=1e-3,
-                    help="largest top-2 logprob difference accepted between the backends (float32)")
+                    help="largest top-2 logprob difference accepted between the backends (float32); also the "
+                    "top-2 gap below which a step counts as a near tie, where the tokens may part")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one engine run may take")
     ap.add_argument("--out", help="results folder (default: results/offline/<model>-<timestamp>)")
@@ -244,12 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 agreement.append({"round": round_, **{k: v for k, v in report.items() if k != "problems"}})
 
-    report = table(results, args, machine_record, agreement)
-    (out_dir / "table.md").write_text(report)
+    markdown = table(results, args, machine_record, agreement)
+    (out_dir / "table.md").write_text(markdown)
     (out_dir / "results.json").write_text(json.dumps({
         "machine": machine_record, "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
         "runs": [asdict(r) for r in results], "agreement": agreement}, indent=1))
-    print(report)
+    print(markdown)
     return 0
 
 

@@ -42,6 +42,12 @@ class Request:
     seed: int | None = None
 
 
+def random_token_ids(rng: random.Random, n: int, vocab_size: int = 1700) -> list[int]:
+    """n ordinary token ids: none of the low ones (special tokens) or the top of
+    the vocabulary (the embedded models have about 1700 tokens)."""
+    return [rng.randrange(100, vocab_size - 100) for _ in range(n)]
+
+
 def _text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
@@ -85,9 +91,8 @@ def burst_workload(num_requests: int = 32, system_chunks: int = 47, block_size: 
     it in the same step, while the first computes it, and have only their own
     3 to 8 tokens left: few enough for the tree path."""
     rng = random.Random(seed)
-    token = lambda: rng.randrange(100, 1600)  # noqa: E731 (ordinary ids: the embedded models have about 1700)
-    system = [token() for _ in range(system_chunks * block_size)]
-    return [Request(system + [token() for _ in range(3 + i % 6)], 8 + i % 5, "burst") for i in range(num_requests)]
+    system = random_token_ids(rng, system_chunks * block_size)
+    return [Request(system + random_token_ids(rng, 3 + i % 6), 8 + i % 5, "burst") for i in range(num_requests)]
 
 
 def parallel_sampling_workload(n: int = 4, block_size: int = 32, seed: int = 4) -> list[Request]:
@@ -99,9 +104,8 @@ def parallel_sampling_workload(n: int = 4, block_size: int = 32, seed: int = 4) 
     the prompt's length minus one, so each later sample recomputes the 7th
     chunk into a block of its own, and the samples share only the first 6)."""
     rng = random.Random(seed)
-    token = lambda: rng.randrange(100, 1600)  # noqa: E731 (ordinary ids: the embedded models have about 1700)
-    inside = [token() for _ in range(5 * block_size + 5)]
-    boundary = [token() for _ in range(7 * block_size)]
+    inside = random_token_ids(rng, 5 * block_size + 5)
+    boundary = random_token_ids(rng, 7 * block_size)
     return [Request(inside, 12, "n-inside-chunk", n=n, seed=10), Request(boundary, 12, "n-chunk-boundary", n=n, seed=20)]
 
 
