@@ -11,6 +11,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/scratch.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -63,14 +65,8 @@ void parallel_items_with_next(int64_t num_items, const F& fn) {
   });
 }
 
-// Per-thread float buffers for the drivers, grown on demand, kept across calls.
-struct DriverScratch {
-  std::vector<float> buf[6];
-  float* get(int slot, size_t n) {
-    if (buf[slot].size() < n) buf[slot].resize(n);
-    return buf[slot].data();
-  }
-};
+// The drivers' per-thread scratch (scratch.h).
+using DriverScratch = ScratchBuffers<6>;
 inline DriverScratch& driver_scratch() {
   static thread_local DriverScratch s;
   return s;

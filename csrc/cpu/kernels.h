@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu/scratch.h"
+
 namespace chunkattn::cpu {
 
 // One layer's KV cache, [num_blocks, num_kv_heads, block_size, 2 * head_size]:
