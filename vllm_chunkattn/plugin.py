@@ -38,7 +38,19 @@ def register() -> None:
         )
     register_backend(custom, BACKEND_CLASS)
     AttentionBackendEnum._member_map_.setdefault(BACKEND_NAME, custom)
+    _register_kv_connector()
     _warn_if_cpu_platform_unpatched()
+
+
+def _register_kv_connector() -> None:
+    """`--kv-transfer-config '{"kv_connector": "PensieveConnector", ...}'` (vllm_chunkattn/cache)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_chunkattn.cache import CONNECTOR_CLASS, CONNECTOR_NAME
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:  # register_connector raises on a second call
+        module, _, class_name = CONNECTOR_CLASS.rpartition(".")
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, module, class_name)
 
 
 def _warn_if_cpu_platform_unpatched() -> None:
