@@ -1,5 +1,6 @@
 """vLLM general-plugin entry point: makes `--attention-backend chunk` select
-our backend in every process vLLM starts (API server, engine core, workers).
+our backend, and `"kv_connector": "PensieveConnector"` our KV connector, in
+every process vLLM starts (API server, engine core, workers).
 
 Why `CUSTOM` and not a new enum member: vLLM pickles its config (which holds
 the selected `AttentionBackendEnum` member) before the engine-core process

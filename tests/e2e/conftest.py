@@ -12,10 +12,10 @@ from vllm_chunkattn.testing.e2e_runs import run_workload
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(name: str, backend: str, workload: str = "shared-prefix") -> dict:
-        key = (name, backend, workload)
+    def get(name: str, backend: str, workload: str = "shared-prefix", pensieve: str | None = None) -> dict:
+        key = (name, backend, workload, pensieve)
         if key not in cache:
-            cache[key] = run_workload(tmp_path_factory, name, backend, workload)
+            cache[key] = run_workload(tmp_path_factory, name, backend, workload, pensieve)
         return cache[key]
 
     return get

@@ -13,8 +13,8 @@ import torch
 
 from vllm_chunkattn.cache.block_store import BadBlock, BlockLayout, DiskStore, HostStore
 
-LAYOUT = BlockLayout(model="test-model", dtype="float32", block_size=4,
-                     layer_block_shapes=((2, 4, 2, 8), (2, 4, 2, 8)))
+LAYOUT = BlockLayout(model="test-model", block_size=4,
+                     layers=(("float32", (2, 4, 2, 8)), ("float32", (2, 4, 2, 8))))
 
 
 def key(label: str) -> bytes:
@@ -28,7 +28,8 @@ def block(seed: int) -> torch.Tensor:
 
 def test_layout_sizes_and_fingerprint():
     assert LAYOUT.block_bytes == 2 * 4 * (2 * 4 * 2 * 8)
-    assert LAYOUT.fingerprint() != dataclasses.replace(LAYOUT, dtype="bfloat16").fingerprint()
+    assert LAYOUT.fingerprint() != dataclasses.replace(
+        LAYOUT, layers=(("bfloat16", (2, 4, 2, 8)), ("float32", (2, 4, 2, 8)))).fingerprint()
     assert LAYOUT.fingerprint() != dataclasses.replace(LAYOUT, model="other").fingerprint()
 
 

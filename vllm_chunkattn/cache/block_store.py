@@ -6,7 +6,7 @@ block's chain key (conversation_tree.py); which blocks they keep is the tree's
 and the policy's business.
 
 Every block on disk carries its chain key, its parent's key, the fingerprint
-of the layout that wrote it (model, dtype, block size, the layers' shapes) and
+of the layout that wrote it (model, block size, the layers' dtypes and shapes) and
 a checksum of its data. A block whose file is missing, short, corrupted or
 written by another model or layout is reported as ``BadBlock``, never returned:
 its tokens are recomputed instead. The headers let a restarted server rebuild
@@ -38,21 +38,17 @@ class BadBlock(Exception):
 class BlockLayout:
     """What one stored block holds: one KV-cache block of each attention layer.
 
-    `layer_block_shapes[i]` is the shape of layer i's data for one block, as
-    the worker's copy produces it; the row is those tensors' bytes, in order."""
+    `layers[i]` is layer i's (dtype name, shape of one block's data), as the
+    worker's copy produces it; the row is those tensors' bytes, in order."""
 
     model: str
-    dtype: str
     block_size: int
-    layer_block_shapes: tuple[tuple[int, ...], ...]
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+    layers: tuple[tuple[str, tuple[int, ...]], ...]
 
     @property
     def layer_bytes(self) -> list[int]:
-        return [self.element_size * _prod(shape) for shape in self.layer_block_shapes]
+        return [torch.empty((), dtype=getattr(torch, dtype)).element_size() * _prod(shape)
+                for dtype, shape in self.layers]
 
     @property
     def block_bytes(self) -> int:

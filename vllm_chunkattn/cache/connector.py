@@ -266,23 +266,22 @@ class _Worker:
         self.finished_sending: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_bytes: int) -> None:
-        shapes = []
         for name, kv in kv_caches.items():
             if kv.shape[0] != num_blocks or not kv.is_contiguous():
                 raise ValueError(f"{CONNECTOR_NAME}: layer {name}'s KV cache is {tuple(kv.shape)} "
                                  f"(contiguous: {kv.is_contiguous()}); blocks must be its first dimension "
                                  f"({num_blocks}) and the tensor contiguous")
-            layer = kv.view(torch.uint8).reshape(num_blocks, -1)
-            offset = self.columns[-1].stop if self.columns else 0
-            self.layers.append(layer)
-            self.columns.append(slice(offset, offset + layer.shape[1]))
-            shapes.append(tuple(kv.shape[1:]))
-        dtypes = {str(kv.dtype).removeprefix("torch.") for kv in kv_caches.values()}
-        layout = BlockLayout(self.vllm_config.model_config.model, ",".join(sorted(dtypes)),
-                             self.vllm_config.cache_config.block_size, tuple(shapes))
-        if sum(layer.shape[1] for layer in self.layers) != block_bytes:
+        layout = BlockLayout(self.vllm_config.model_config.model, self.vllm_config.cache_config.block_size,
+                             tuple((str(kv.dtype).removeprefix("torch."), tuple(kv.shape[1:]))
+                                   for kv in kv_caches.values()))
+        if layout.block_bytes != block_bytes:
             raise ValueError(f"{CONNECTOR_NAME}: the KV cache's layers hold {layout.block_bytes} bytes per block, "
                              f"the scheduler planned with {block_bytes}")
+        offset = 0
+        for kv, width in zip(kv_caches.values(), layout.layer_bytes):
+            self.layers.append(kv.view(torch.uint8).reshape(num_blocks, width))
+            self.columns.append(slice(offset, offset + width))
+            offset += width
         self.store = HostStore(layout, self.config.host_blocks(block_bytes))
 
     def run_step(self) -> None:

@@ -134,13 +134,14 @@ class EngineSettings:
     max_model_len: int = 2048
     logprobs: int = 2
     speculative_tokens: int = 0  # > 0: n-gram speculative decoding proposing this many tokens per step
+    pensieve_policy: str | None = None  # the PensieveConnector's eviction policy; None: no connector
+    pensieve_host_gib: float = 0.05
 
 
-def run_offline(settings: EngineSettings, requests: list[Request], chat: list[list[dict]] | None = None) -> dict:
-    """Serve `requests` (then the `chat` conversations, if any) through one
-    engine; tokens, logprobs and counters."""
+def make_llm(settings: EngineSettings):
+    """One engine as the settings say (prefix caching on, eager, seeded)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     extra = {} if settings.backend == "stock" else {"attention_backend": settings.backend}
     max_model_len = settings.max_model_len
@@ -151,8 +152,12 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
     if settings.speculative_tokens:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": settings.speculative_tokens,
                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    started = time.perf_counter()
-    llm = LLM(
+    if settings.pensieve_policy:
+        extra["kv_transfer_config"] = {
+            "kv_connector": "PensieveConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"host_cache_gib": settings.pensieve_host_gib,
+                                          "eviction_policy": settings.pensieve_policy}}
+    return LLM(
         model=settings.model,
         dtype=settings.dtype,
         block_size=settings.block_size,
@@ -165,6 +170,15 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
         seed=0,
         **extra,
     )
+
+
+def run_offline(settings: EngineSettings, requests: list[Request], chat: list[list[dict]] | None = None) -> dict:
+    """Serve `requests` (then the `chat` conversations, if any) through one
+    engine; tokens, logprobs and counters."""
+    from vllm import SamplingParams
+
+    started = time.perf_counter()
+    llm = make_llm(settings)
     engine_start_s = time.perf_counter() - started
     params = [
         SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=r.seed, max_tokens=r.max_tokens,
@@ -205,6 +219,36 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
     }
 
 
+CONVERSATIONS, TURNS = 4, 3
+
+
+def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
+    """Closed-loop chats: each turn resends the conversation so far (its
+    earlier prompts and the engine's own answers) plus a new user message.
+    The conversations take turns, so with a small KV cache each one's history
+    is evicted by the others' before its next turn. One result per turn, in
+    order, with what the PensieveConnector reported loading."""
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    llm = make_llm(settings)
+    history = [random_token_ids(rng, 150) for _ in range(CONVERSATIONS)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=settings.logprobs, ignore_eos=True)
+    results = []
+    for turn in range(TURNS):
+        for conversation in range(CONVERSATIONS):
+            out = llm.generate([{"prompt_token_ids": history[conversation]}], [params], use_tqdm=False)[0]
+            completion = out.outputs[0]
+            top = [max(step.values(), key=lambda lp: lp.logprob).logprob for step in completion.logprobs]
+            loaded = ((out.kv_transfer_params or {}).get("pensieve") or {}).get("host_loaded_tokens")
+            results.append({"group": f"conversation {conversation} turn {turn}",
+                            "prompt_tokens": len(history[conversation]), "tokens": list(completion.token_ids),
+                            "top1_logprobs": top, "host_loaded_tokens": loaded})
+            history[conversation] = (history[conversation] + list(completion.token_ids)
+                                     + random_token_ids(rng, 40))
+    return {"settings": asdict(settings), "counters": _counters(llm), "results": results}
+
+
 def _counters(llm) -> dict:
     wanted = {"vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
               "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -234,7 +278,7 @@ WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_token
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run a workload through one vLLM engine.")
-    parser.add_argument("--workload", default="shared-prefix", choices=list(WORKLOADS))
+    parser.add_argument("--workload", default="shared-prefix", choices=[*WORKLOADS, "conversations"])
     parser.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
     parser.add_argument("--backend", default="chunk", choices=["chunk", "stock"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -243,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the workload's, else 256")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--model-name", default="tiny", help="embedded model to use when --model is not given")
+    parser.add_argument("--pensieve", default=None, choices=["pensieve", "lru"],
+                        help="keep conversations' KV in the PensieveConnector's host tier, under this eviction policy")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     if args.model is None:
@@ -252,9 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     engine = {**WORKLOAD_ENGINE_SETTINGS.get(args.workload, {}), **{k: v for k, v in given.items() if v is not None}}
     settings = EngineSettings(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
-                              num_blocks=args.num_blocks, **engine)
-    make_requests, make_chat = WORKLOADS[args.workload]
-    record = run_offline(settings, make_requests(), make_chat() if make_chat else None)
+                              num_blocks=args.num_blocks, pensieve_policy=args.pensieve, **engine)
+    if args.workload == "conversations":
+        record = run_conversations(settings)
+    else:
+        make_requests, make_chat = WORKLOADS[args.workload]
+        record = run_offline(settings, make_requests(), make_chat() if make_chat else None)
     with open(args.out, "w") as f:
         json.dump(record, f)
     return 0

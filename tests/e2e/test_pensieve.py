@@ -1,0 +1,47 @@
+"""End to end: conversations continued from the PensieveConnector's host tier
+give the tokens stock vLLM gives, under vLLM's attention backend and ours.
+
+Four conversations take three turns each on a KV cache of 24 blocks of 32
+tokens; each turn resends the conversation (150 tokens, then every answer
+and a 40-token user message). By its next turn a conversation's history has
+been evicted from vLLM's cache by the others', so what the connector supplies
+is history the prefix cache no longer has."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = "float32-gqa-d64-block32-preempt"  # tiny model, float32, blocks of 32, 24 blocks
+
+
+@pytest.fixture(scope="module")
+def baseline(runs):
+    return runs(CONFIG, "stock", "conversations")
+
+
+@pytest.mark.parametrize("backend, policy", [("stock", "pensieve"), ("chunk", "pensieve"), ("chunk", "lru")])
+def test_conversations_continue_from_the_host_tier_with_stock_tokens(runs, baseline, backend, policy):
+    run = runs(CONFIG, backend, "conversations", policy)
+    assert "PensieveConnector: host tier of" in run["log"]
+    assert [r["group"] for r in run["results"]] == [r["group"] for r in baseline["results"]]
+    for ours, stock in zip(run["results"], baseline["results"]):
+        assert ours["tokens"] == stock["tokens"], ours["group"]
+        worst = max(abs(a - b) for a, b in zip(ours["top1_logprobs"], stock["top1_logprobs"]))
+        assert worst < 1e-3, (ours["group"], worst)
+    loaded = [r["host_loaded_tokens"] for r in run["results"]]
+    first_turns = loaded[:4]
+    assert first_turns == [0, 0, 0, 0]  # nothing stored before a conversation's first turn
+    # Later turns load their history (whole blocks of 32) from the host tier.
+    later = loaded[4:]
+    assert all(n % 32 == 0 for n in later) and sum(n > 0 for n in later) >= 4, loaded
+    assert baseline["results"][0]["host_loaded_tokens"] is None  # no connector there
+
+
+def test_the_small_cache_evicts_histories_between_turns(baseline):
+    """Without the connector, a later turn's history is mostly not in vLLM's
+    prefix cache any more (the premise of the test above)."""
+    counters = baseline["counters"]
+    later_prompt_tokens = sum(r["prompt_tokens"] for r in baseline["results"][4:])
+    assert counters["vllm:prefix_cache_hits"] < 0.5 * later_prompt_tokens, counters
