@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from vllm_chunkattn.cache.connector import BlockCopy, PensieveConfig, PensieveMetadata, _Worker, chain_keys
+from vllm_chunkattn.cache.connector import (BlockCopy, PensieveConfig, PensieveMetadata, _Scheduler, _Worker,
+                                            chain_keys)
 
 
 def test_options_are_validated_with_what_is_supported():
@@ -65,3 +66,88 @@ def test_a_cache_whose_blocks_are_not_the_first_dimension_is_refused():
     worker, _ = _worker()
     with pytest.raises(ValueError, match="blocks must be its first dimension"):
         worker.register_kv_caches({"layer0": torch.zeros(2, 6, 4, 16)}, 6, 2 * 4 * 16 * 4)
+
+
+# ---------------------------------------------------------------------------
+# The scheduler half, driven as vLLM's scheduler drives it.
+
+BLOCK = 16
+
+
+def _scheduler(capacity_blocks: int, policy: str = "pensieve") -> _Scheduler:
+    page = 1024
+    kv_cache_config = types.SimpleNamespace(kv_cache_groups=[
+        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(page_size_bytes=page), layer_names=["l0", "l1"])])
+    vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK))
+    config = PensieveConfig(host_cache_gib=capacity_blocks * 2 * page / (1 << 30), eviction_policy=policy)
+    return _Scheduler(vllm_config, kv_cache_config, config)
+
+
+def _request(request_id: str, tokens: list[int], conversation: str | None = None):
+    return types.SimpleNamespace(request_id=request_id, all_token_ids=list(tokens), num_tokens=len(tokens),
+                                 num_computed_tokens=0, mm_features=[], lora_request=None, cache_salt=None,
+                                 kv_transfer_params={"conversation_id": conversation} if conversation else None,
+                                 session_id=None)
+
+
+def _step(scheduler: _Scheduler, scheduled: dict, block_ids: dict[str, list[int]]) -> PensieveMetadata:
+    output = types.SimpleNamespace(
+        num_scheduled_tokens={r.request_id: 1 for r in scheduled.values()}, preempted_req_ids=set(),
+        kv_connector_block_state=types.SimpleNamespace(get_block_ids=lambda rid: (block_ids[rid],)))
+    return scheduler.build_connector_meta(output, scheduled)
+
+
+def test_a_conversations_blocks_are_stored_as_computed_and_loaded_by_its_next_turn():
+    scheduler = _scheduler(capacity_blocks=64)
+    turn1 = _request("a", range(1000, 1100))  # 6 full blocks and 4 tokens
+    scheduler.on_new_request(turn1)
+    assert scheduler.get_num_new_matched_tokens(turn1, 0) == (0, False)
+    ids_a = list(range(10, 20))
+    assert _step(scheduler, {"a": turn1}, {"a": ids_a}).stores == []  # nothing computed before this step
+    turn1.num_computed_tokens = 100
+    meta = _step(scheduler, {"a": turn1}, {"a": ids_a})
+    assert [c.block_id for c in meta.stores] == ids_a[:6]
+    # The answer: 29 more tokens computed; at the finish blocks 6 and 7 are full, and stored before the free.
+    turn1.all_token_ids += list(range(2000, 2030))
+    turn1.num_computed_tokens = 129
+    delay, params = scheduler.request_finished(turn1, ids_a[:9])
+    assert delay and params == {"pensieve": {"host_loaded_tokens": 0}}
+    meta = _step(scheduler, {}, {})
+    assert [c.block_id for c in meta.stores] == ids_a[6:8] and meta.finished_after_store == ["a"]
+
+    # Next turn: the history plus a new message; vLLM's own cache still has the first 2 blocks.
+    turn2 = _request("b", turn1.all_token_ids + list(range(3000, 3020)))
+    scheduler.on_new_request(turn2)
+    assert scheduler.get_num_new_matched_tokens(turn2, 2 * BLOCK) == (6 * BLOCK, False)
+    ids_b = list(range(30, 40))
+    scheduler.update_state_after_alloc(turn2, types.SimpleNamespace(get_block_ids=lambda: (ids_b,)), 6 * BLOCK)
+    meta = _step(scheduler, {"b": turn2}, {"b": ids_b})
+    history = chain_keys(turn1.all_token_ids, BLOCK)
+    assert [(c.key, c.block_id) for c in meta.loads] == list(zip(history[2:8], ids_b[2:8]))
+    assert meta.stores == [] and meta.evictions == []
+
+
+def test_the_last_prompt_token_is_always_computed():
+    scheduler = _scheduler(capacity_blocks=64)
+    first = _request("a", range(1000, 1064))  # exactly 4 blocks
+    scheduler.on_new_request(first)
+    first.num_computed_tokens = 64
+    _step(scheduler, {"a": first}, {"a": [1, 2, 3, 4]})
+    again = _request("b", range(1000, 1064))
+    assert scheduler.get_num_new_matched_tokens(again, 0) == (3 * BLOCK, False)
+
+
+def test_a_full_tier_evicts_another_conversations_tail_never_the_one_it_stores():
+    scheduler = _scheduler(capacity_blocks=8)
+    old = _request("old", range(1000, 1096))  # 6 blocks
+    scheduler.on_new_request(old)
+    old.num_computed_tokens = 96
+    _step(scheduler, {"old": old}, {"old": list(range(6))})
+    assert scheduler.request_finished(old, list(range(6)))[0] is False  # everything already stored
+    new = _request("new", range(5000, 5080))  # 5 blocks: 3 must go
+    scheduler.on_new_request(new)
+    new.num_computed_tokens = 80
+    meta = _step(scheduler, {"new": new}, {"new": list(range(10, 15))})
+    old_keys = chain_keys(old.all_token_ids, BLOCK)
+    assert meta.evictions == old_keys[:2:-1]  # Pensieve: half of old's 6 own blocks, its last three
+    assert len(meta.stores) == 5 and len(scheduler.tree) == 8

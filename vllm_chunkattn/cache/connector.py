@@ -213,8 +213,11 @@ class _Scheduler:
         free = self.capacity - len(self.tree)
         if missing > free:
             self.tree.acquire(keys[:stored])  # never evict this chain to make room for its own tail
-            self.pending.evictions += self.tree.evict(missing - free, now)
+            evicted = self.tree.evict(missing - free, now)
             self.tree.release(keys[:stored])
+            self.pending.evictions += evicted
+            logger.debug("%s: evicted %d blocks from the host tier (%s) to store %d", CONNECTOR_NAME,
+                         len(evicted), self.tree.policy.name, missing)
         new = min(missing, self.capacity - len(self.tree))
         self.tree.insert(keys[:stored + new], now)
         self.pending.stores += [BlockCopy(keys[b], block_ids[b]) for b in range(stored, stored + new)]

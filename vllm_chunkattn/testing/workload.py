@@ -273,7 +273,10 @@ WORKLOADS = {
 # the n samples of one prompt run together, apart from the other prompt's.
 WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_tokens": 2048},
                             "speculative": {"speculative_tokens": 3},
-                            "parallel-sampling": {"max_num_seqs": 4}}
+                            "parallel-sampling": {"max_num_seqs": 4},
+                            # 24 blocks of 32 tokens in vLLM's cache and a host tier of 32 blocks of the tiny
+                            # model (64 KiB each): both hold fewer than the conversations' 36 full blocks.
+                            "conversations": {"num_blocks": 24, "pensieve_host_gib": 32 * 64 / 2**20}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_chunkattn.testing.models import ensure_model
 
         args.model = ensure_model(args.model_name)
-    given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+             "num_blocks": args.num_blocks}
     engine = {**WORKLOAD_ENGINE_SETTINGS.get(args.workload, {}), **{k: v for k, v in given.items() if v is not None}}
     settings = EngineSettings(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
-                              num_blocks=args.num_blocks, pensieve_policy=args.pensieve, **engine)
+                              pensieve_policy=args.pensieve, **engine)
     if args.workload == "conversations":
         record = run_conversations(settings)
     else:
