@@ -221,9 +221,11 @@ def test_roofline_is_a_lower_bound_of_a_synthetic_point():
             times.append((time.perf_counter() - t0) * 1e3)
         return min(times)
 
-    rates = [machine.measure_rates(threads, record, quick=True)]
+    # The probes as the benchmark runs them: the quick probe's 256 MiB buffer and 2 runs read up to 20% below
+    # what a sum over this buffer reached on a shared VM.
+    rates = [machine.measure_rates(threads, record)]
     matmul_ms, sum_ms = best_ms(lambda: a @ b), best_ms(lambda: big.sum(), 3)
-    rates.append(machine.measure_rates(threads, record, quick=True))
+    rates.append(machine.measure_rates(threads, record))
     compute = machine.roofline(2 * n * n * 4, 2 * n**3, "fp32", rates)
     memory = machine.roofline(big.numel() * 4, big.numel(), "fp32", rates)
     assert matmul_ms >= 0.9 * compute.bound_ms, (matmul_ms, compute)
