@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
 import threading
@@ -47,8 +48,7 @@ class BlockLayout:
 
     @property
     def layer_bytes(self) -> list[int]:
-        return [torch.empty((), dtype=getattr(torch, dtype)).element_size() * _prod(shape)
-                for dtype, shape in self.layers]
+        return [getattr(torch, dtype).itemsize * math.prod(shape) for dtype, shape in self.layers]
 
     @property
     def block_bytes(self) -> int:
@@ -57,13 +57,6 @@ class BlockLayout:
     def fingerprint(self) -> bytes:
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).digest()
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class HostStore:

@@ -329,7 +329,6 @@ class PensieveConnector(KVConnectorBase_V1):
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(f"{CONNECTOR_NAME} supports models with one KV cache group (every layer full "
                              f"attention); this model has {len(kv_cache_config.kv_cache_groups)}")
-        self._kv_cache_config = kv_cache_config
         self._scheduler = _Scheduler(vllm_config, kv_cache_config, config) \
             if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(config, vllm_config) if role == KVConnectorRole.WORKER else None

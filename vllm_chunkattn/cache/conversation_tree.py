@@ -143,12 +143,7 @@ class ConversationTree:
 
     def match(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks of `keys` are stored."""
-        node = self.root
-        for i, key in enumerate(keys):
-            node = node.children.get(key)
-            if node is None:
-                return i
-        return len(keys)
+        return len(self._path(keys))
 
     def _path(self, keys: Sequence[BlockKey]) -> list[Node]:
         """The stored nodes of `keys`' matched prefix."""

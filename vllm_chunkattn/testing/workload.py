@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from vllm_chunkattn.cache.conversation_tree import POLICIES
+
 WORDS = (
     "river stone light garden window paper market engine winter harbour signal "
     "orange quiet careful bridge letter silver morning station forest number "
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the workload's, else 256")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--model-name", default="tiny", help="embedded model to use when --model is not given")
-    parser.add_argument("--pensieve", default=None, choices=["pensieve", "lru"],
+    parser.add_argument("--pensieve", default=None, choices=list(POLICIES),
                         help="keep conversations' KV in the PensieveConnector's host tier, under this eviction policy")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
