@@ -47,3 +47,45 @@ def test_the_small_cache_evicts_histories_between_turns(baseline):
     counters = baseline["counters"]
     later_prompt_tokens = sum(r["prompt_tokens"] for r in baseline["results"][4:])
     assert counters["vllm:prefix_cache_hits"] < 0.5 * later_prompt_tokens, counters
+
+
+def _assert_stock_tokens(run, baseline):
+    for ours, stock in zip(run["results"], baseline["results"], strict=True):
+        assert ours["tokens"] == stock["tokens"], ours["group"]
+        worst = max(abs(a - b) for a, b in zip(ours["top1_logprobs"], stock["top1_logprobs"]))
+        assert worst < 1e-3, (ours["group"], worst)
+
+
+def test_conversations_continue_from_disk_across_restarts_and_bad_blocks_are_recomputed(
+        tmp_path_factory, baseline):
+    """A host tier of 8 blocks, a quarter of what the conversations hold: their
+    histories come back from the disk tier. A second server on the same
+    directory starts with them; a third finds every block file corrupted,
+    warns, and recomputes."""
+    from vllm_chunkattn.testing.e2e_runs import run_workload
+
+    disk = tmp_path_factory.mktemp("pensieve-disk")
+    args = ("--pensieve-disk-dir", str(disk), "--pensieve-host-gib", str(8 * 64 / 2**20))
+
+    first = run_workload(tmp_path_factory, CONFIG, "chunk", "conversations", "pensieve", args)
+    assert "host tier of 8 blocks" in first["log"] and "0 blocks kept from earlier runs" in first["log"]
+    _assert_stock_tokens(first, baseline)
+    from_disk = [r["disk_loaded_tokens"] for r in first["results"]]
+    assert from_disk[:4] == [0, 0, 0, 0] and sum(n > 0 for n in from_disk[4:]) >= 4, from_disk
+    files = sorted(disk.rglob("*.kv"))
+    assert len(files) == 36  # every full block of the four conversations, prompts and answers
+
+    restarted = run_workload(tmp_path_factory, CONFIG, "chunk", "conversations", "pensieve", args)
+    assert "36 blocks kept from earlier runs" in restarted["log"]
+    _assert_stock_tokens(restarted, baseline)
+    # The first turns' prompts (150 tokens: 4 whole blocks) come from the first server's disk tier.
+    assert [r["disk_loaded_tokens"] for r in restarted["results"][:4]] == [128, 128, 128, 128]
+
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01  # one bit of each block's KV data
+        path.write_bytes(bytes(data))
+    damaged = run_workload(tmp_path_factory, CONFIG, "chunk", "conversations", "pensieve", args)
+    assert "a block on disk is unusable" in damaged["log"] and "checksum mismatch" in damaged["log"]
+    _assert_stock_tokens(damaged, baseline)
+    assert [r["disk_loaded_tokens"] for r in damaged["results"][:4]] == [0, 0, 0, 0]

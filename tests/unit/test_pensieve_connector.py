@@ -8,15 +8,25 @@ import types
 import pytest
 import torch
 
+from vllm_chunkattn.cache.block_store import BlockLayout
 from vllm_chunkattn.cache.connector import (BlockCopy, PensieveConfig, PensieveMetadata, _Scheduler, _Worker,
                                             chain_keys)
 
 
-def test_options_are_validated_with_what_is_supported():
+def test_options_are_validated_with_what_is_supported(tmp_path):
     assert PensieveConfig.from_extra_config({}) == PensieveConfig()
     assert PensieveConfig.from_extra_config({"host_cache_gib": 0.5, "eviction_policy": "lru"}).host_blocks(1 << 20) == 512
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['disk'\\]"):
         PensieveConfig.from_extra_config({"disk": "/tmp"})
+    with pytest.raises(ValueError, match="disk_cache_dir .* is not writable"):
+        PensieveConfig.from_extra_config({"disk_cache_dir": "/proc"})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot create disk_cache_dir"):
+        PensieveConfig.from_extra_config({"disk_cache_dir": str(tmp_path / "file" / "kv")})
+    assert PensieveConfig.from_extra_config({"disk_cache_dir": str(tmp_path / "kv")}).disk_cache_dir
+    assert (tmp_path / "kv").is_dir()
+    with pytest.raises(ValueError, match="disk_cache_gib must be a positive"):
+        PensieveConfig.from_extra_config({"disk_cache_gib": -1})
     with pytest.raises(ValueError, match="eviction_policy must be one of \\['lru', 'pensieve'\\]"):
         PensieveConfig.from_extra_config({"eviction_policy": "fifo"})
     with pytest.raises(ValueError, match="positive number of GiB"):
@@ -33,16 +43,14 @@ def test_chain_keys_name_whole_prefixes_and_extend_incrementally():
     assert all(a != b for a, b in zip(keys, other))  # a different first token changes every later key
 
 
-def _worker(num_blocks=6, host_gib=1e-3):
-    config = types.SimpleNamespace(model_config=types.SimpleNamespace(model="m"),
-                                   cache_config=types.SimpleNamespace(block_size=4))
-    worker = _Worker(PensieveConfig(host_cache_gib=host_gib), config)
+def _worker(num_blocks=6, host_gib=1e-3, disk_dir=None):
     g = torch.Generator().manual_seed(0)
     # Two layers of different dtypes and shapes, blocks first, as vLLM hands them over.
     caches = {"layer0": torch.randn(num_blocks, 2, 4, 16, generator=g),
               "layer1": torch.randn(num_blocks, 4, 8, generator=g).to(torch.bfloat16)}
-    block_bytes = sum(kv[0].numel() * kv.element_size() for kv in caches.values())
-    worker.register_kv_caches(caches, num_blocks, block_bytes)
+    layout = BlockLayout("m", 4, (("float32", (2 * 4 * 16,)), ("bfloat16", (4 * 8,))), "test")
+    worker = _Worker(PensieveConfig(host_cache_gib=host_gib, disk_cache_dir=disk_dir), layout, list(caches))
+    worker.register_kv_caches(caches, num_blocks)
     return worker, caches
 
 
@@ -65,7 +73,7 @@ def test_blocks_go_to_host_rows_and_come_back_into_other_blocks():
 def test_a_cache_whose_blocks_are_not_the_first_dimension_is_refused():
     worker, _ = _worker()
     with pytest.raises(ValueError, match="blocks must be its first dimension"):
-        worker.register_kv_caches({"layer0": torch.zeros(2, 6, 4, 16)}, 6, 2 * 4 * 16 * 4)
+        worker.register_kv_caches({"layer0": torch.zeros(2, 6, 4, 16), "layer1": torch.zeros(6, 4, 8)}, 6)
 
 
 # ---------------------------------------------------------------------------
@@ -111,7 +119,7 @@ def test_a_conversations_blocks_are_stored_as_computed_and_loaded_by_its_next_tu
     turn1.all_token_ids += list(range(2000, 2030))
     turn1.num_computed_tokens = 129
     delay, params = scheduler.request_finished(turn1, ids_a[:9])
-    assert delay and params == {"pensieve": {"host_loaded_tokens": 0}}
+    assert delay and params == {"pensieve": {"host_loaded_tokens": 0, "disk_loaded_tokens": 0}}
     meta = _step(scheduler, {}, {})
     assert [c.block_id for c in meta.stores] == ids_a[6:8] and meta.finished_after_store == ["a"]
 
@@ -150,4 +158,129 @@ def test_a_full_tier_evicts_another_conversations_tail_never_the_one_it_stores()
     meta = _step(scheduler, {"new": new}, {"new": list(range(10, 15))})
     old_keys = chain_keys(old.all_token_ids, BLOCK)
     assert meta.evictions == old_keys[:2:-1]  # Pensieve: half of old's 6 own blocks, its last three
-    assert len(meta.stores) == 5 and len(scheduler.tree) == 8
+    assert len(meta.stores) == 5 and len(scheduler.host.tree) == 8
+
+
+# ---------------------------------------------------------------------------
+# The disk tier: the scheduler and the worker together, as the engine runs them.
+
+PAGE_FLOATS = 256  # one layer's page: 1024 bytes, as _scheduler's KV cache config says
+DISK_LAYOUT = BlockLayout("m", BLOCK, (("float32", (PAGE_FLOATS,)), ("float32", (PAGE_FLOATS,))), "test")
+
+
+class _Engine:
+    """A scheduler half and a worker half over one disk directory, stepped like vLLM's engine."""
+
+    def __init__(self, disk_dir, host_blocks=64, disk_blocks=64, num_blocks=32, seed=0):
+        page = PAGE_FLOATS * 4
+        config = PensieveConfig(host_cache_gib=host_blocks * 2 * page / (1 << 30), disk_cache_dir=str(disk_dir),
+                                disk_cache_gib=disk_blocks * 2 * page / (1 << 30))
+        kv_cache_config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
+            kv_cache_spec=types.SimpleNamespace(page_size_bytes=page), layer_names=["l0", "l1"])])
+        vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK))
+        self.scheduler = _Scheduler(vllm_config, kv_cache_config, config, DISK_LAYOUT)
+        self.worker = _Worker(config, DISK_LAYOUT, ["l0", "l1"])
+        g = torch.Generator().manual_seed(seed)
+        self.caches = {name: torch.randn(num_blocks, PAGE_FLOATS, generator=g) for name in ("l0", "l1")}
+        self.worker.register_kv_caches(self.caches, num_blocks)
+
+    def step(self, scheduled: dict, block_ids: dict[str, list[int]]) -> PensieveMetadata:
+        meta = _step(self.scheduler, scheduled, block_ids)
+        self.worker.meta = meta
+        self.worker.run_step()
+        self.worker.disk.flush()  # the engine goes on instead; a test wants the thread's results now
+        done = self.worker.finished_disk_work()
+        if done is not None:
+            self.scheduler.update_connector_output(done)
+        return meta
+
+    def block(self, block_id: int) -> list[torch.Tensor]:
+        return [kv[block_id].clone() for kv in self.caches.values()]
+
+    def compute(self, request, block_ids: list[int]) -> None:
+        """The request's prompt computed in one step, its blocks stored the step after."""
+        self.scheduler.on_new_request(request)
+        request.num_computed_tokens = request.num_tokens
+        self.step({request.request_id: request}, {request.request_id: block_ids})
+        assert self.scheduler.request_finished(request, block_ids)[0] is False  # all full blocks stored
+
+    def admit(self, request, block_ids: list[int]) -> int:
+        """vLLM's admission: ask until the connector knows, allocate, step. Returns the tokens loaded."""
+        self.scheduler.on_new_request(request)
+        for _ in range(3):
+            tokens, asynchronous = self.scheduler.get_num_new_matched_tokens(request, 0)
+            assert asynchronous is False
+            if tokens is not None:
+                break
+            self.step({}, {})  # the disk reads run while other requests would
+        self.scheduler.update_state_after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: (block_ids,)),
+                                                tokens)
+        self.step({request.request_id: request}, {request.request_id: block_ids})
+        return tokens
+
+
+def test_conversations_on_disk_survive_a_restart_and_load_once_for_two_requests(tmp_path):
+    first = _Engine(tmp_path)
+    turn1 = _request("a", range(1000, 1100))  # 6 full blocks
+    first.compute(turn1, list(range(10, 17)))
+    written = [first.block(b) for b in range(10, 16)]
+    assert len(list(first.worker.disk.store.directory.glob("*.kv"))) == 6
+    first.worker.shutdown()
+
+    second = _Engine(tmp_path, seed=1)  # a restarted server: new KV cache contents, empty host tier
+    assert len(second.scheduler.disk.tree) == 6 and len(second.scheduler.host.tree) == 0
+    turn2 = _request("b", list(turn1.all_token_ids) + list(range(3000, 3020)))
+    same_history = _request("c", list(turn1.all_token_ids) + list(range(4000, 4030)))
+    second.scheduler.on_new_request(turn2)
+    assert second.scheduler.get_num_new_matched_tokens(turn2, 0) == (None, False)  # reading from disk
+    second.scheduler.on_new_request(same_history)
+    meta = second.step({}, {})
+    assert meta.promotions == [chain_keys(turn1.all_token_ids, BLOCK)]  # one read for both requests
+    assert second.scheduler.get_num_new_matched_tokens(same_history, 0) == (6 * BLOCK, False)
+    assert second.admit(turn2, list(range(20, 28))) == 6 * BLOCK
+    for b in range(6):
+        assert all(torch.equal(x, y) for x, y in zip(second.block(20 + b), written[b]))
+    _, params = second.scheduler.request_finished(turn2, list(range(20, 28)))
+    assert params == {"pensieve": {"host_loaded_tokens": 96, "disk_loaded_tokens": 96}}
+
+
+def test_a_corrupted_block_on_disk_is_recomputed_with_everything_after_it(tmp_path):
+    first = _Engine(tmp_path)
+    turn1 = _request("a", range(1000, 1100))
+    first.compute(turn1, list(range(10, 17)))
+    first.worker.shutdown()
+    keys = chain_keys(turn1.all_token_ids, BLOCK)
+    path = first.worker.disk.store.path(keys[3])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped bit of KV data
+    path.write_bytes(bytes(data))
+
+    second = _Engine(tmp_path, seed=1)
+    turn2 = _request("b", list(turn1.all_token_ids) + list(range(3000, 3020)))
+    assert second.admit(turn2, list(range(20, 28))) == 3 * BLOCK  # blocks 0..2 only: 3 on is recomputed
+    assert second.block(20)[0].equal(first.block(10)[0])
+    assert set(second.scheduler.host.tree.keys()) == set(keys[:3])
+    assert set(second.scheduler.disk.tree.keys()) == set(keys[:3])
+    assert keys[3] not in second.worker.store and keys[4] not in second.worker.store
+    second.step({}, {})  # the drops run
+    assert sorted(p.name for p in second.worker.disk.store.directory.glob("*.kv")) == \
+        sorted(f"{k.hex()}.kv" for k in keys[:3])
+
+
+def test_the_disk_index_drops_unreachable_blocks_and_what_exceeds_its_size_at_start(tmp_path):
+    first = _Engine(tmp_path)
+    a = _request("a", range(1000, 1100))
+    first.compute(a, list(range(10, 17)))
+    first.worker.shutdown()
+    keys = chain_keys(a.all_token_ids, BLOCK)
+    first.worker.disk.store.path(keys[1]).unlink()  # blocks 2..5 lose their parent
+    second = _Engine(tmp_path, disk_blocks=4)
+    assert set(second.scheduler.disk.tree.keys()) == {keys[0]}
+    assert [p.name for p in second.worker.disk.store.directory.glob("*.kv")] == [f"{keys[0].hex()}.kv"]
+
+    # A full disk tier evicts another conversation's trailing blocks, as the host tier does.
+    b = _request("b", range(5000, 5080))  # 5 blocks into a tier of 4 holding a's first block
+    second.compute(b, list(range(20, 25)))
+    second.step({}, {})
+    assert len(second.scheduler.disk.tree) == 4 and keys[0] not in second.scheduler.disk.tree
+    assert len(list(second.worker.disk.store.directory.glob("*.kv"))) == 4

@@ -39,12 +39,16 @@ class BadBlock(Exception):
 class BlockLayout:
     """What one stored block holds: one KV-cache block of each attention layer.
 
-    `layers[i]` is layer i's (dtype name, shape of one block's data), as the
-    worker's copy produces it; the row is those tensors' bytes, in order."""
+    `layers[i]` is layer i's (dtype name, shape of one block's data); the row
+    is those tensors' bytes, in order. `model` names the weights and
+    `kv_format` whatever else decides what the bytes mean (attention backend,
+    platform, vLLM version): blocks written under another identity are never
+    read back."""
 
     model: str
     block_size: int
     layers: tuple[tuple[str, tuple[int, ...]], ...]
+    kv_format: str = ""
 
     @property
     def layer_bytes(self) -> list[int]:

@@ -22,6 +22,16 @@ processes and talk only through the per-step metadata):
   stores and loads before the forward pass, copying whole blocks as opaque
   bytes, so it works with any attention backend's cache layout.
 
+With ``disk_cache_dir`` a third tier keeps blocks on disk (``DiskStore``),
+written through from the host tier on a background thread, so conversations
+outlive the host tier and the server: the scheduler reads the directory's
+index at start. A prompt whose blocks are on disk but not in host memory
+waits (vLLM keeps scheduling other requests) while the background thread
+reads them into host rows, checking each block's checksum and identity; then
+it loads from host memory as usual. A block that fails the check is dropped
+with a warning, with everything after it, and recomputed: loads into vLLM's
+KV cache only ever come from host memory, so they cannot fail.
+
 A conversation is identified by its token prefix, and by the client's id when
 the request carries one (`kv_transfer_params: {"conversation_id": ...}`, or
 vLLM's session id): an id whose new turn no longer continues its cached turns
@@ -36,16 +46,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
+import queue
+import tempfile
+import threading
 import time
+from collections import defaultdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                 KVConnectorRole)
+                                                                 KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_chunkattn.cache import CONNECTOR_NAME
-from vllm_chunkattn.cache.block_store import BlockKey, BlockLayout, HostStore
+from vllm_chunkattn.cache.block_store import BadBlock, BlockKey, BlockLayout, DiskStore, HostStore
 from vllm_chunkattn.cache.conversation_tree import POLICIES, ConversationTree, make_policy
 
 if TYPE_CHECKING:
@@ -53,6 +70,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -70,6 +88,8 @@ RESPONSE_PARAM = "pensieve"  # kv_transfer_params of a finished request: what it
 class PensieveConfig:
     host_cache_gib: float = 4.0
     eviction_policy: str = "pensieve"
+    disk_cache_dir: str | None = None  # None: no disk tier
+    disk_cache_gib: float = 64.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> PensieveConfig:
@@ -85,10 +105,29 @@ class PensieveConfig:
         if config.eviction_policy not in POLICIES:
             raise ValueError(f"{CONNECTOR_NAME}: eviction_policy must be one of {sorted(POLICIES)}; "
                              f"got {config.eviction_policy!r}")
+        if not (isinstance(config.disk_cache_gib, (int, float)) and config.disk_cache_gib > 0):
+            raise ValueError(f"{CONNECTOR_NAME}: disk_cache_gib must be a positive number of GiB; "
+                             f"got {config.disk_cache_gib!r}")
+        if config.disk_cache_dir is not None:
+            if not isinstance(config.disk_cache_dir, str) or not config.disk_cache_dir:
+                raise ValueError(f"{CONNECTOR_NAME}: disk_cache_dir must be a directory path; "
+                                 f"got {config.disk_cache_dir!r}")
+            directory = Path(config.disk_cache_dir)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{CONNECTOR_NAME}: cannot create disk_cache_dir {directory}: {e}") from None
+            try:
+                tempfile.TemporaryFile(dir=directory).close()
+            except OSError as e:
+                raise ValueError(f"{CONNECTOR_NAME}: disk_cache_dir {directory} is not writable: {e}") from None
         return config
 
     def host_blocks(self, block_bytes: int) -> int:
         return int(self.host_cache_gib * (1 << 30)) // block_bytes
+
+    def disk_blocks(self, block_bytes: int) -> int:
+        return int(self.disk_cache_gib * (1 << 30)) // block_bytes
 
 
 def chain_keys(token_ids: list[int] | np.ndarray, block_size: int, start: int = 0,
@@ -100,6 +139,34 @@ def chain_keys(token_ids: list[int] | np.ndarray, block_size: int, start: int = 
         parent = hashlib.sha256(parent + tokens[b * block_size:(b + 1) * block_size].tobytes()).digest()
         keys.append(parent)
     return keys
+
+
+def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockLayout:
+    """What a stored block holds, from what both halves know: one page of every
+    attention layer, in the KV cache config's layer order. Its fingerprint names
+    the weights (the checkpoint's files, not only its path) and what decides the
+    bytes' layout, so a disk tier never serves another model's or layout's KV."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    layers = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        dtype = str(spec.dtype).removeprefix("torch.")
+        itemsize = spec.dtype.itemsize
+        layers += [(dtype, (spec.page_size_bytes // itemsize,))] * len(group.layer_names)
+    model_config = vllm_config.model_config
+    model = f"{model_config.model}@{model_config.revision or ''}"
+    if os.path.isdir(model_config.model):
+        files = sorted(p for p in Path(model_config.model).iterdir() if p.is_file())
+        model += ";" + ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    specs = [f"{type(g.kv_cache_spec).__name__}({getattr(g.kv_cache_spec, 'num_kv_heads', '')}"
+             f"x{getattr(g.kv_cache_spec, 'head_size', '')}): " + ",".join(g.layer_names)
+             for g in kv_cache_config.kv_cache_groups]
+    backend = vllm_config.attention_config.backend
+    kv_format = (f"{current_platform.device_type}; attention backend {getattr(backend, 'name', backend)}; "
+                 f"cache dtype {vllm_config.cache_config.cache_dtype}; vLLM {vllm.__version__}; " + "; ".join(specs))
+    return BlockLayout(model, vllm_config.cache_config.block_size, tuple(layers), kv_format)
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
@@ -119,11 +186,41 @@ class BlockCopy:
 
 
 @dataclasses.dataclass
+class DiskWrite:
+    key: BlockKey
+    parent: BlockKey | None  # None: the prompt's first block
+    block_id: int | None = None  # where its data is: a block of vLLM's KV cache, or None: its host row
+
+
+@dataclasses.dataclass
 class PensieveMetadata(KVConnectorMetadata):
+    """One step's work for the worker, in the order it runs it."""
+
     evictions: list[BlockKey] = dataclasses.field(default_factory=list)  # host rows freed first
     stores: list[BlockCopy] = dataclasses.field(default_factory=list)  # KV cache -> host rows
     loads: list[BlockCopy] = dataclasses.field(default_factory=list)  # host rows -> KV cache
     finished_after_store: list[str] = dataclasses.field(default_factory=list)  # request ids whose blocks can go
+    # The disk tier, on the background thread, in this order:
+    disk_drops: list[BlockKey] = dataclasses.field(default_factory=list)
+    disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)  # host rows (after this step's stores)
+    promotions: list[list[BlockKey]] = dataclasses.field(default_factory=list)  # chains read into new host rows
+
+
+@dataclasses.dataclass
+class PensieveWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker's background thread finished since the last step."""
+
+    promoted: list[BlockKey] = dataclasses.field(default_factory=list)  # now readable in host rows
+    # Each the part of a promoted chain that did not arrive: its first block was
+    # bad (the worker has dropped those rows), the rest were not read.
+    failed_promotions: list[list[BlockKey]] = dataclasses.field(default_factory=list)
+    failed_writes: list[BlockKey] = dataclasses.field(default_factory=list)  # not on disk after all
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PensieveWorkerMetadata)
+        return PensieveWorkerMetadata(self.promoted + other.promoted,
+                                      self.failed_promotions + other.failed_promotions,
+                                      self.failed_writes + other.failed_writes)
 
 
 # ---------------------------------------------------------------------------
@@ -136,22 +233,83 @@ class _RequestState:
     cacheable: bool
     local_hit_tokens: int = 0  # vLLM's own prefix-cache hit at admission
     loaded_blocks: int = 0  # supplied from the host tier at admission
+    promoted: set[BlockKey] = dataclasses.field(default_factory=set)  # read from disk for this request
+    promotion_holds: list[BlockKey] = dataclasses.field(default_factory=list)  # kept in host memory until admitted
+    disk_loaded_blocks: int = 0  # of the loaded blocks, those
     stored_blocks: int = 0  # leading blocks known to be in the host tier
 
 
+class _Tier:
+    """One tier's index: which blocks it holds (a ConversationTree) and how many it can."""
+
+    def __init__(self, name: str, capacity: int, policy: str):
+        self.name = name
+        self.capacity = capacity
+        self.tree = ConversationTree(make_policy(policy))
+
+    def admit(self, keys: list[BlockKey], now: float) -> tuple[int, list[BlockKey], list[BlockKey]]:
+        """Makes the chain `keys` stored as far as room allows, evicting as the
+        policy chooses but never from this chain. Returns how many leading keys
+        were stored already, the keys added after them, and the keys evicted."""
+        stored = self.tree.match(keys)
+        missing = len(keys) - stored
+        evicted: list[BlockKey] = []
+        free = self.capacity - len(self.tree)
+        if missing > free:
+            self.tree.acquire(keys[:stored])
+            evicted = self.tree.evict(missing - free, now)
+            self.tree.release(keys[:stored])
+            logger.debug("%s: evicted %d blocks from the %s tier (%s) to store %d", CONNECTOR_NAME, len(evicted),
+                         self.name, self.tree.policy.name, missing)
+        new = min(missing, self.capacity - len(self.tree))
+        added = self.tree.insert(keys[:stored + new], now)
+        return stored, added, evicted
+
+
 class _Scheduler:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: PensieveConfig):
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: PensieveConfig,
+                 layout: BlockLayout | None = None):
         self.block_size = vllm_config.cache_config.block_size
         self.block_bytes = block_bytes_of(kv_cache_config)
-        self.capacity = config.host_blocks(self.block_bytes)
-        if self.capacity < 1:
+        capacity = config.host_blocks(self.block_bytes)
+        if capacity < 1:
             raise ValueError(f"{CONNECTOR_NAME}: host_cache_gib={config.host_cache_gib} holds no block of "
                              f"{self.block_bytes} bytes")
-        self.tree = ConversationTree(make_policy(config.eviction_policy))
+        self.host = _Tier("host", capacity, config.eviction_policy)
         self.requests: dict[str, _RequestState] = {}
         self.pending = PensieveMetadata()
+        self.holds: list[tuple[ConversationTree, list[BlockKey]]] = []  # released once the step's metadata is out
+        self.promoting: set[BlockKey] = set()  # host rows the worker is still reading from disk
         logger.info("%s: host tier of %d blocks (%.2f GiB, %d bytes each), eviction policy %s", CONNECTOR_NAME,
-                    self.capacity, config.host_cache_gib, self.block_bytes, config.eviction_policy)
+                    capacity, config.host_cache_gib, self.block_bytes, config.eviction_policy)
+        self.disk: _Tier | None = None
+        if config.disk_cache_dir is not None:
+            self.disk = _Tier("disk", config.disk_blocks(self.block_bytes), config.eviction_policy)
+            store = DiskStore(config.disk_cache_dir, layout or block_layout(vllm_config, kv_cache_config))
+            found = self._index_disk(store)
+            logger.info("%s: disk tier of %d blocks (%.1f GiB) under %s; %d blocks kept from earlier runs",
+                        CONNECTOR_NAME, self.disk.capacity, config.disk_cache_gib, store.directory, found)
+
+    def _index_disk(self, store: DiskStore) -> int:
+        """Rebuilds the disk tier's tree from the block files' headers. Blocks
+        whose parent is gone can never be matched: their files are deleted, as
+        are the policy's choices when the directory holds more than the tier may."""
+        children: dict[BlockKey | None, list] = defaultdict(list)
+        entries = list(store.scan())
+        for entry in entries:
+            children[entry.parent].append(entry)
+        age = time.time() - time.monotonic()  # file times are wall-clock, the tree's monotonic
+        parents: list[BlockKey | None] = [None]
+        while parents:
+            parent = parents.pop()
+            for entry in children.pop(parent, ()):
+                self.disk.tree.add_child(parent, entry.key, entry.mtime - age)
+                parents.append(entry.key)
+        orphans = [entry.key for group in children.values() for entry in group]
+        over = max(0, len(self.disk.tree) - self.disk.capacity)
+        for key in orphans + self.disk.tree.evict(over, time.monotonic()):
+            store.drop(key)
+        return len(self.disk.tree)
 
     def _state(self, request: Request) -> _RequestState:
         state = self.requests.get(request.request_id)
@@ -165,6 +323,12 @@ class _Scheduler:
                                          state.keys[-1] if state.keys else b"")
         return state
 
+    def _hold(self, tree: ConversationTree, keys: list[BlockKey]) -> None:
+        """Keeps `keys` from eviction until this step's metadata has gone out
+        (a block planned for a copy this step must still be there when it runs)."""
+        tree.acquire(keys)
+        self.holds.append((tree, keys))
+
     @staticmethod
     def _conversation_id(request: Request) -> str | None:
         params = request.kv_transfer_params or {}
@@ -174,54 +338,92 @@ class _Scheduler:
     def on_new_request(self, request: Request) -> None:
         state = self._state(request)
         if state.cacheable:
-            self.tree.touch(state.keys, time.monotonic(), self._conversation_id(request))
+            now, conversation = time.monotonic(), self._conversation_id(request)
+            for tier in (self.host, self.disk):
+                if tier is not None:
+                    tier.tree.touch(state.keys, now, conversation)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if not state.cacheable:
             return 0, False
         # At least the last prompt token is computed: its logits start the answer.
-        loadable = min(self.tree.match(state.keys) * self.block_size, request.num_tokens - 1)
-        loadable -= loadable % self.block_size
+        usable = (request.num_tokens - 1) // self.block_size
+        keys = state.keys[:usable]
+        in_host = self.host.tree.match(keys)
+        ready = next((b for b in range(in_host) if keys[b] in self.promoting), in_host)
+        if ready < in_host:
+            return None, False  # blocks of this prompt are on their way from disk
+        if self.disk is not None:
+            promoted = self._promote(keys, ready, num_computed_tokens)
+            if promoted:
+                state.promoted.update(promoted)
+                state.promotion_holds += promoted
+                return None, False
         state.local_hit_tokens = num_computed_tokens
-        return max(0, loadable - num_computed_tokens), False
+        return max(0, ready * self.block_size - num_computed_tokens), False
+
+    def _promote(self, keys: list[BlockKey], in_host: int, num_computed_tokens: int) -> list[BlockKey]:
+        """Starts reading the prompt's blocks that only the disk holds into host
+        rows, if that gets it past vLLM's own hit. Returns the blocks."""
+        on_disk = self.disk.tree.match(keys)
+        if on_disk <= max(in_host, num_computed_tokens // self.block_size):
+            return []
+        now = time.monotonic()
+        _, added, evicted = self.host.admit(keys[:on_disk], now)
+        self.pending.evictions += evicted
+        if added:  # else no room: every host block is pinned or in use
+            self.host.tree.acquire(added)
+            self.disk.tree.acquire(added)
+            self.promoting.update(added)
+            self.pending.promotions.append(added)
+        return added
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._state(request)
+        self._release_promotion_holds(state)
         if num_external_tokens == 0:
             return
-        state = self._state(request)
         block_ids = blocks.get_block_ids()[0]
         first = state.local_hit_tokens // self.block_size  # our blocks follow the prefix cache's hit
         count = num_external_tokens // self.block_size
         copies = [BlockCopy(state.keys[b], block_ids[b]) for b in range(first, first + count)]
-        self.tree.acquire([c.key for c in copies])
+        self._hold(self.host.tree, [c.key for c in copies])
         self.pending.loads += copies
         state.loaded_blocks += count
+        state.disk_loaded_blocks += sum(c.key in state.promoted for c in copies)
         logger.debug("%s: request %s loads %d tokens from the host tier", CONNECTOR_NAME, request.request_id,
                      num_external_tokens)
 
+    def _release_promotion_holds(self, state: _RequestState) -> None:
+        """Blocks read from disk for a request stay in host memory until it is
+        admitted (its loads hold them then) or gone: a small host tier would
+        otherwise evict them again before the request could use them."""
+        self.host.tree.release(state.promotion_holds)
+        state.promotion_holds = []
+
     def _plan_stores(self, state: _RequestState, block_ids: list[int], num_computed: int) -> None:
         """Copies out the request's full blocks among its first `num_computed`
-        tokens that the tier lacks, evicting for room as the policy chooses."""
-        now = time.monotonic()
+        tokens that the host tier lacks, and writes them through to disk."""
         full = min(num_computed // self.block_size, len(state.keys), len(block_ids))
         if full <= state.stored_blocks:
             return
+        now = time.monotonic()
         keys = state.keys[:full]
-        stored = self.tree.match(keys)
-        missing = full - stored
-        free = self.capacity - len(self.tree)
-        if missing > free:
-            self.tree.acquire(keys[:stored])  # never evict this chain to make room for its own tail
-            evicted = self.tree.evict(missing - free, now)
-            self.tree.release(keys[:stored])
-            self.pending.evictions += evicted
-            logger.debug("%s: evicted %d blocks from the host tier (%s) to store %d", CONNECTOR_NAME,
-                         len(evicted), self.tree.policy.name, missing)
-        new = min(missing, self.capacity - len(self.tree))
-        self.tree.insert(keys[:stored + new], now)
-        self.pending.stores += [BlockCopy(keys[b], block_ids[b]) for b in range(stored, stored + new)]
-        state.stored_blocks = stored + new
+        stored, added, evicted = self.host.admit(keys, now)
+        self.pending.evictions += evicted
+        self.pending.stores += [BlockCopy(key, block_ids[b]) for b, key in enumerate(added, stored)]
+        self._hold(self.host.tree, added)
+        state.stored_blocks = stored + len(added)
+        if self.disk is not None:
+            # Write-through: from host rows, or from the KV cache for blocks the host tier had no room for.
+            on_disk, written, dropped = self.disk.admit(keys, now)
+            self.pending.disk_drops += dropped
+            self.pending.disk_writes += [
+                DiskWrite(key, keys[b - 1] if b else None, None if b < state.stored_blocks else block_ids[b])
+                for b, key in enumerate(written, on_disk)]
+            self._hold(self.disk.tree, written)
+            self._hold(self.host.tree, [key for b, key in enumerate(written, on_disk) if b < state.stored_blocks])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> PensieveMetadata:
         block_state = scheduler_output.kv_connector_block_state
@@ -235,8 +437,43 @@ class _Scheduler:
             if state.cacheable and block_state is not None:
                 self._plan_stores(state, block_state.get_block_ids(request_id)[0], request.num_computed_tokens)
         meta, self.pending = self.pending, PensieveMetadata()
-        self.tree.release([c.key for c in meta.loads])
+        for tree, keys in self.holds:
+            tree.release(keys)
+        self.holds = []
         return meta
+
+    def update_connector_output(self, output: PensieveWorkerMetadata) -> None:
+        """The background thread's results: promoted blocks become loadable;
+        a bad block on disk is forgotten with everything after it (recomputed)."""
+        for key in output.promoted:
+            self.promoting.discard(key)
+            self.disk.tree.release([key])
+        for chain in output.failed_promotions:
+            self.promoting.difference_update(chain)
+            self.disk.tree.release(chain)
+            # The worker dropped the chain's own rows; blocks stored under them since go too.
+            removed = self.host.tree.remove(chain[0])
+            self.pending.evictions += [k for k in removed if k not in chain]
+            self._forget(self.host.tree, set(removed))
+            self._drop_from_disk(chain[0])
+        for key in output.failed_writes:
+            self._drop_from_disk(key)
+
+    def _drop_from_disk(self, key: BlockKey) -> None:
+        removed = self.disk.tree.remove(key)
+        self.pending.disk_drops += removed
+        self._forget(self.disk.tree, set(removed))
+
+    def _forget(self, tree: ConversationTree, removed: set[BlockKey]) -> None:
+        """Blocks just removed from `tree` are neither copied into that tier
+        this step nor released later (a new block of the same key is another)."""
+        if tree is self.host.tree:
+            self.pending.stores = [c for c in self.pending.stores if c.key not in removed]
+            for state in self.requests.values():
+                state.promotion_holds = [k for k in state.promotion_holds if k not in removed]
+        else:
+            self.pending.disk_writes = [w for w in self.pending.disk_writes if w.key not in removed]
+        self.holds = [(t, [k for k in keys if t is not tree or k not in removed]) for t, keys in self.holds]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Stores what the request computed since the last step; its blocks are
@@ -244,6 +481,7 @@ class _Scheduler:
         if request.request_id not in self.requests:
             return False, None
         state = self._state(request)
+        self._release_promotion_holds(state)
         stores_before = len(self.pending.stores)
         if state.cacheable:
             self._plan_stores(state, block_ids, request.num_computed_tokens)
@@ -251,47 +489,121 @@ class _Scheduler:
         delay_free = len(self.pending.stores) > stores_before
         if delay_free:
             self.pending.finished_after_store.append(request.request_id)
-        return delay_free, {RESPONSE_PARAM: {"host_loaded_tokens": state.loaded_blocks * self.block_size}}
+        return delay_free, {RESPONSE_PARAM: {"host_loaded_tokens": state.loaded_blocks * self.block_size,
+                                             "disk_loaded_tokens": state.disk_loaded_blocks * self.block_size}}
 
 
 # ---------------------------------------------------------------------------
 # Worker side
 
 
+class _DiskIO:
+    """The disk tier's background thread: drops, writes and promotions (disk
+    to host rows), one at a time in the order given, so a block written is
+    on disk before a later read or drop of it runs. Results are collected
+    for the scheduler (``drain``)."""
+
+    def __init__(self, store: DiskStore):
+        self.store = store
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._done = PensieveWorkerMetadata()
+        self._thread = threading.Thread(target=self._run, name="pensieve-disk", daemon=True)
+        self._thread.start()
+
+    def drop(self, key: BlockKey) -> None:
+        self._queue.put((self.store.drop, key))
+
+    def write(self, item: DiskWrite, data: torch.Tensor) -> None:
+        self._queue.put((self._write, item, data))
+
+    def promote(self, keys: list[BlockKey], rows: list[torch.Tensor]) -> None:
+        self._queue.put((self._promote, keys, rows))
+
+    def _write(self, item: DiskWrite, data: torch.Tensor) -> None:
+        try:
+            self.store.write(item.key, item.parent, data)
+        except OSError as e:
+            logger.warning("%s: cannot write a block to the disk tier (%s); it stays in host memory only",
+                           CONNECTOR_NAME, e)
+            with self._lock:
+                self._done.failed_writes.append(item.key)
+
+    def _promote(self, keys: list[BlockKey], rows: list[torch.Tensor]) -> None:
+        for i, (key, row) in enumerate(zip(keys, rows)):
+            try:
+                self.store.read_into(key, row)
+            except BadBlock as e:
+                logger.warning("%s: a block on disk is unusable (%s); it and the %d blocks after it are recomputed",
+                               CONNECTOR_NAME, e, len(keys) - i - 1)
+                with self._lock:
+                    self._done.failed_promotions.append(keys[i:])
+                return
+            with self._lock:
+                self._done.promoted.append(key)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                job[0](*job[1:])
+            except Exception:  # a bug, not a disk error: keep serving from the other tiers
+                logger.exception("%s: disk tier job failed", CONNECTOR_NAME)
+                if job[0] == self._promote:
+                    with self._lock:
+                        self._done.failed_promotions.append(job[1])
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def flush(self) -> None:
+        """Waits until every queued job has run."""
+        self._queue.join()
+
+    def drain(self) -> PensieveWorkerMetadata:
+        with self._lock:
+            done, self._done = self._done, PensieveWorkerMetadata()
+        return done
+
+    def close(self) -> None:
+        """Finishes the queued writes (a restart finds them), then stops."""
+        self._queue.put(None)
+        self._thread.join()
+
+
 class _Worker:
-    def __init__(self, config: PensieveConfig, vllm_config: VllmConfig):
+    def __init__(self, config: PensieveConfig, layout: BlockLayout, layer_names: list[str]):
         self.config = config
-        self.vllm_config = vllm_config
+        self.layout = layout
+        self.layer_names = layer_names  # the layout's layer order
         self.layers: list[torch.Tensor] = []  # each [num_blocks, block bytes of the layer] uint8
         self.columns: list[slice] = []  # each layer's bytes within a host row
-        self.store: HostStore | None = None
+        self.store = HostStore(layout, config.host_blocks(layout.block_bytes))
+        self.disk = _DiskIO(DiskStore(config.disk_cache_dir, layout)) if config.disk_cache_dir else None
         self.meta = PensieveMetadata()
         self.finished_sending: set[str] = set()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_bytes: int) -> None:
-        for name, kv in kv_caches.items():
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        offset = 0
+        for name, width in zip(self.layer_names, self.layout.layer_bytes):
+            kv = kv_caches[name]
             if kv.shape[0] != num_blocks or not kv.is_contiguous():
                 raise ValueError(f"{CONNECTOR_NAME}: layer {name}'s KV cache is {tuple(kv.shape)} "
                                  f"(contiguous: {kv.is_contiguous()}); blocks must be its first dimension "
                                  f"({num_blocks}) and the tensor contiguous")
-        layout = BlockLayout(self.vllm_config.model_config.model, self.vllm_config.cache_config.block_size,
-                             tuple((str(kv.dtype).removeprefix("torch."), tuple(kv.shape[1:]))
-                                   for kv in kv_caches.values()))
-        if layout.block_bytes != block_bytes:
-            raise ValueError(f"{CONNECTOR_NAME}: the KV cache's layers hold {layout.block_bytes} bytes per block, "
-                             f"the scheduler planned with {block_bytes}")
-        offset = 0
-        for kv, width in zip(kv_caches.values(), layout.layer_bytes):
+            if kv[0].numel() * kv.element_size() != width:
+                raise ValueError(f"{CONNECTOR_NAME}: layer {name}'s KV cache holds "
+                                 f"{kv[0].numel() * kv.element_size()} bytes per block, the scheduler planned "
+                                 f"with {width}")
             self.layers.append(kv.view(torch.uint8).reshape(num_blocks, width))
             self.columns.append(slice(offset, offset + width))
             offset += width
-        self.store = HostStore(layout, self.config.host_blocks(block_bytes))
 
     def run_step(self) -> None:
         """Evictions, then stores, then loads: a block stored this step (a
         request that just finished) may be loaded by another one this step.
         Every block copied out was computed in an earlier step and is held by
-        its request, so this step's forward pass, before or after, leaves it be."""
+        its request, so this step's forward pass, before or after, leaves it be.
+        Then the disk tier's work goes to its thread."""
         meta, self.meta = self.meta, PensieveMetadata()
         for key in meta.evictions:
             self.store.drop(key)
@@ -307,11 +619,36 @@ class _Worker:
             for layer, columns in zip(self.layers, self.columns):
                 layer.index_copy_(0, block_ids, rows[:, columns])
         self.finished_sending.update(meta.finished_after_store)
+        if meta.stores or meta.evictions or meta.disk_writes or meta.promotions:
+            logger.debug("%s: step copies: %d evictions, %d stores, %d loads; disk: %d drops, %d writes, "
+                         "%d blocks read", CONNECTOR_NAME, len(meta.evictions), len(meta.stores), len(meta.loads),
+                         len(meta.disk_drops), len(meta.disk_writes), sum(map(len, meta.promotions)))
+        if self.disk is not None:
+            for key in meta.disk_drops:
+                self.disk.drop(key)
+            for item in meta.disk_writes:  # copies now: a row or block may be reused before the write
+                self.disk.write(item, self.store.get(item.key).clone() if item.block_id is None else
+                                torch.cat([layer[item.block_id] for layer in self.layers]))
+            for keys in meta.promotions:
+                self.disk.promote(keys, [self.store.put(key) for key in keys])
+
+    def finished_disk_work(self) -> PensieveWorkerMetadata | None:
+        if self.disk is None:
+            return None
+        done = self.disk.drain()
+        for chain in done.failed_promotions:
+            for key in chain:
+                self.store.drop(key)
+        return done if (done.promoted or done.failed_promotions or done.failed_writes) else None
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         done = self.finished_sending & finished_req_ids
         self.finished_sending -= done
         return done or None
+
+    def shutdown(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
 
 
 # ---------------------------------------------------------------------------
@@ -319,6 +656,8 @@ class _Worker:
 
 
 class PensieveConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = PensieveConfig.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
@@ -326,12 +665,16 @@ class PensieveConnector(KVConnectorBase_V1):
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
             raise ValueError(f"{CONNECTOR_NAME} supports one worker (tensor and pipeline parallel size 1); got "
                              f"tensor {parallel.tensor_parallel_size} x pipeline {parallel.pipeline_parallel_size}")
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        if kv_cache_config is None:
+            raise ValueError(f"{CONNECTOR_NAME} needs the KV cache config vLLM 0.32 passes to connectors")
+        if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(f"{CONNECTOR_NAME} supports models with one KV cache group (every layer full "
                              f"attention); this model has {len(kv_cache_config.kv_cache_groups)}")
-        self._scheduler = _Scheduler(vllm_config, kv_cache_config, config) \
+        layout = block_layout(vllm_config, kv_cache_config)
+        self._scheduler = _Scheduler(vllm_config, kv_cache_config, config, layout) \
             if role == KVConnectorRole.SCHEDULER else None
-        self._worker = _Worker(config, vllm_config) if role == KVConnectorRole.WORKER else None
+        self._worker = _Worker(config, layout, kv_cache_config.kv_cache_groups[0].layer_names) \
+            if role == KVConnectorRole.WORKER else None
         self._requests: dict[str, Request] = {}
 
     @property
@@ -354,6 +697,11 @@ class PensieveConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output, self._requests)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        done = connector_output.kv_connector_worker_meta
+        if isinstance(done, PensieveWorkerMetadata):
+            self._scheduler.update_connector_output(done)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         return self._scheduler.request_finished(request, block_ids)
@@ -361,8 +709,7 @@ class PensieveConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks,
-                                        block_bytes_of(self._kv_cache_config))
+        self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -383,3 +730,10 @@ class PensieveConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids), None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.finished_disk_work()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -194,6 +194,14 @@ class ConversationTree:
             node = child
         return added
 
+    def add_child(self, parent: BlockKey | None, key: BlockKey, last_access: float) -> None:
+        """Adds one block under a stored `parent` (None: the root), as a
+        restart rebuilds the tree from blocks that name their parents."""
+        parent_node = self.root if parent is None else self._nodes[parent]
+        if key in self._nodes:
+            raise ValueError("a block key appears under two parents: keys must chain over the whole prefix")
+        self._nodes[key] = parent_node.children[key] = Node(key, parent_node, last_access)
+
     def remove(self, key: BlockKey) -> list[BlockKey]:
         """Drops a block and everything after it (a block whose data turned out
         bad: its descendants cannot be reached without it). Returns the keys."""

@@ -23,14 +23,16 @@ CONFIGS = {
 
 
 def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "shared-prefix",
-                 pensieve: str | None = None) -> dict:
-    """`pensieve`: run with the PensieveConnector under this eviction policy."""
+                 pensieve: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
+    """`pensieve`: run with the PensieveConnector under this eviction policy;
+    `extra_args`: more options of `python -m vllm_chunkattn.testing.workload`."""
     model, dtype, block_size, num_blocks, _, _ = CONFIGS[name]
     out = tmp_path_factory.mktemp(name) / f"{workload}-{backend}-{pensieve or 'no-connector'}.json"
     cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--workload", workload, "--model-name", model,
            "--backend", backend, "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
     if pensieve:
         cmd += ["--pensieve", pensieve]
+    cmd += extra_args
     # The config's small cache (forcing preemption) is for the workloads without
     # engine settings of their own: the burst needs its whole prompt cached.
     if num_blocks and workload not in WORKLOAD_ENGINE_SETTINGS:

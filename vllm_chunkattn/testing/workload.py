@@ -138,6 +138,7 @@ class EngineSettings:
     speculative_tokens: int = 0  # > 0: n-gram speculative decoding proposing this many tokens per step
     pensieve_policy: str | None = None  # the PensieveConnector's eviction policy; None: no connector
     pensieve_host_gib: float = 0.05
+    pensieve_disk_dir: str | None = None  # the connector's disk tier; None: host tier only
 
 
 def make_llm(settings: EngineSettings):
@@ -159,6 +160,8 @@ def make_llm(settings: EngineSettings):
             "kv_connector": "PensieveConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"host_cache_gib": settings.pensieve_host_gib,
                                           "eviction_policy": settings.pensieve_policy}}
+        if settings.pensieve_disk_dir:
+            extra["kv_transfer_config"]["kv_connector_extra_config"]["disk_cache_dir"] = settings.pensieve_disk_dir
     return LLM(
         model=settings.model,
         dtype=settings.dtype,
@@ -242,10 +245,11 @@ def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
             out = llm.generate([{"prompt_token_ids": history[conversation]}], [params], use_tqdm=False)[0]
             completion = out.outputs[0]
             top = [max(step.values(), key=lambda lp: lp.logprob).logprob for step in completion.logprobs]
-            loaded = ((out.kv_transfer_params or {}).get("pensieve") or {}).get("host_loaded_tokens")
+            loaded = (out.kv_transfer_params or {}).get("pensieve") or {}
             results.append({"group": f"conversation {conversation} turn {turn}",
                             "prompt_tokens": len(history[conversation]), "tokens": list(completion.token_ids),
-                            "top1_logprobs": top, "host_loaded_tokens": loaded})
+                            "top1_logprobs": top, "host_loaded_tokens": loaded.get("host_loaded_tokens"),
+                            "disk_loaded_tokens": loaded.get("disk_loaded_tokens")})
             history[conversation] = (history[conversation] + list(completion.token_ids)
                                      + random_token_ids(rng, 40))
     return {"settings": asdict(settings), "counters": _counters(llm), "results": results}
@@ -294,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-name", default="tiny", help="embedded model to use when --model is not given")
     parser.add_argument("--pensieve", default=None, choices=list(POLICIES),
                         help="keep conversations' KV in the PensieveConnector's host tier, under this eviction policy")
+    parser.add_argument("--pensieve-disk-dir", default=None, help="with --pensieve: the connector's disk tier")
+    parser.add_argument("--pensieve-host-gib", type=float, default=None,
+                        help="with --pensieve: the host tier's size (default: the workload's, else 0.05)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     if args.model is None:
@@ -301,10 +308,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = ensure_model(args.model_name)
     given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-             "num_blocks": args.num_blocks}
+             "num_blocks": args.num_blocks, "pensieve_host_gib": args.pensieve_host_gib}
     engine = {**WORKLOAD_ENGINE_SETTINGS.get(args.workload, {}), **{k: v for k, v in given.items() if v is not None}}
     settings = EngineSettings(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
-                              pensieve_policy=args.pensieve, **engine)
+                              pensieve_policy=args.pensieve, pensieve_disk_dir=args.pensieve_disk_dir, **engine)
     if args.workload == "conversations":
         record = run_conversations(settings)
     else:
