@@ -10,7 +10,7 @@ import torch
 
 from vllm_chunkattn.cache.block_store import BlockLayout
 from vllm_chunkattn.cache.connector import (BlockCopy, PensieveConfig, PensieveMetadata, _Scheduler, _Worker,
-                                            chain_keys)
+                                            chain_keys, pinned_prompt_tokens)
 
 
 def test_options_are_validated_with_what_is_supported(tmp_path):
@@ -171,14 +171,14 @@ DISK_LAYOUT = BlockLayout("m", BLOCK, (("float32", (PAGE_FLOATS,)), ("float32", 
 class _Engine:
     """A scheduler half and a worker half over one disk directory, stepped like vLLM's engine."""
 
-    def __init__(self, disk_dir, host_blocks=64, disk_blocks=64, num_blocks=32, seed=0):
+    def __init__(self, disk_dir, host_blocks=64, disk_blocks=64, num_blocks=32, seed=0, pinned=()):
         page = PAGE_FLOATS * 4
         config = PensieveConfig(host_cache_gib=host_blocks * 2 * page / (1 << 30), disk_cache_dir=str(disk_dir),
                                 disk_cache_gib=disk_blocks * 2 * page / (1 << 30))
         kv_cache_config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
             kv_cache_spec=types.SimpleNamespace(page_size_bytes=page), layer_names=["l0", "l1"])])
         vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK))
-        self.scheduler = _Scheduler(vllm_config, kv_cache_config, config, DISK_LAYOUT)
+        self.scheduler = _Scheduler(vllm_config, kv_cache_config, config, DISK_LAYOUT, pinned)
         self.worker = _Worker(config, DISK_LAYOUT, ["l0", "l1"])
         g = torch.Generator().manual_seed(seed)
         self.caches = {name: torch.randn(num_blocks, PAGE_FLOATS, generator=g) for name in ("l0", "l1")}
@@ -284,3 +284,45 @@ def test_the_disk_index_drops_unreachable_blocks_and_what_exceeds_its_size_at_st
     second.step({}, {})
     assert len(second.scheduler.disk.tree) == 4 and keys[0] not in second.scheduler.disk.tree
     assert len(list(second.worker.disk.store.directory.glob("*.kv"))) == 4
+
+
+def test_pinned_prompts_are_never_evicted_and_come_back_from_disk_at_start(tmp_path):
+    system = list(range(1000, 1050))  # 50 tokens: the 3 whole blocks before its last token are pinned
+    pinned_keys = chain_keys(system[:-1], BLOCK)
+    first = _Engine(tmp_path, host_blocks=8, pinned=[system])
+    a = _request("a", system + list(range(2000, 2050)))  # 6 blocks, the first 3 the pinned prompt's
+    first.compute(a, list(range(10, 17)))
+    b = _request("b", range(5000, 5096))  # 6 blocks of another conversation into a tier of 8
+    first.compute(b, list(range(20, 27)))
+    first.step({}, {})
+    host = set(first.scheduler.host.tree.keys())
+    assert set(pinned_keys) <= host and len(host) == 8  # a lost its unpinned tail, never the prompt
+    first.worker.shutdown()
+
+    restarted = _Engine(tmp_path, host_blocks=8, pinned=[system], seed=1)
+    assert restarted.scheduler.pending.promotions == [pinned_keys]  # read before the first request
+    restarted.step({}, {})
+    assert set(restarted.scheduler.host.tree.keys()) == set(pinned_keys) and not restarted.scheduler.promoting
+    c = _request("c", system + list(range(7000, 7030)))
+    assert restarted.admit(c, list(range(0, 5))) == 3 * BLOCK
+    assert all(torch.equal(x, y) for x, y in zip(restarted.block(2), first.block(12)))
+
+    with pytest.raises(ValueError, match="pinned prompts take 3 blocks, the host tier holds 3"):
+        _Engine(tmp_path / "other", host_blocks=3, pinned=[system])
+
+
+def test_pinned_prompt_files(tmp_path):
+    ids = tmp_path / "system.json"
+    ids.write_text("[1, 5, 9]")
+    text = tmp_path / "system.txt"
+    text.write_text("You are a helpful assistant.")
+    no_tokenizer = types.SimpleNamespace(skip_tokenizer_init=True)
+    assert pinned_prompt_tokens((str(ids),), no_tokenizer) == [[1, 5, 9]]
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        pinned_prompt_tokens((str(text),), no_tokenizer)
+    ids.write_text("[1, -5]")
+    with pytest.raises(ValueError, match="must be a JSON list of token ids"):
+        pinned_prompt_tokens((str(ids),), no_tokenizer)
+    with pytest.raises(ValueError, match="pinned prompt file .*missing.txt does not exist"):
+        PensieveConfig.from_extra_config({"pinned_prompts": [str(tmp_path / "missing.txt")]})
+    assert PensieveConfig.from_extra_config({"pinned_prompts": [str(text)]}).pinned_prompts == (str(text),)

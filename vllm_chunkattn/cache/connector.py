@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -90,6 +91,7 @@ class PensieveConfig:
     eviction_policy: str = "pensieve"
     disk_cache_dir: str | None = None  # None: no disk tier
     disk_cache_gib: float = 64.0
+    pinned_prompts: tuple[str, ...] = ()  # files: a prompt's text, or a JSON list of its token ids
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> PensieveConfig:
@@ -98,6 +100,8 @@ class PensieveConfig:
         if unknown:
             raise ValueError(f"{CONNECTOR_NAME}: unknown kv_connector_extra_config keys {unknown}; "
                              f"supported: {sorted(known)}")
+        if isinstance(extra.get("pinned_prompts"), list):
+            extra = {**extra, "pinned_prompts": tuple(extra["pinned_prompts"])}
         config = cls(**extra)
         if not (isinstance(config.host_cache_gib, (int, float)) and config.host_cache_gib > 0):
             raise ValueError(f"{CONNECTOR_NAME}: host_cache_gib must be a positive number of GiB; "
@@ -121,6 +125,12 @@ class PensieveConfig:
                 tempfile.TemporaryFile(dir=directory).close()
             except OSError as e:
                 raise ValueError(f"{CONNECTOR_NAME}: disk_cache_dir {directory} is not writable: {e}") from None
+        if not (isinstance(config.pinned_prompts, tuple) and all(isinstance(p, str) for p in config.pinned_prompts)):
+            raise ValueError(f"{CONNECTOR_NAME}: pinned_prompts must be a list of file paths; "
+                             f"got {config.pinned_prompts!r}")
+        for path in config.pinned_prompts:
+            if not Path(path).is_file():
+                raise ValueError(f"{CONNECTOR_NAME}: pinned prompt file {path} does not exist")
         return config
 
     def host_blocks(self, block_bytes: int) -> int:
@@ -139,6 +149,30 @@ def chain_keys(token_ids: list[int] | np.ndarray, block_size: int, start: int = 
         parent = hashlib.sha256(parent + tokens[b * block_size:(b + 1) * block_size].tobytes()).digest()
         keys.append(parent)
     return keys
+
+
+def pinned_prompt_tokens(paths: tuple[str, ...], model_config: Any) -> list[list[int]]:
+    """The token ids of each pinned prompt: a `.json` file holds them; any
+    other file holds text, tokenized as vLLM tokenizes a completion prompt."""
+    prompts = []
+    for path in paths:
+        text = Path(path).read_text()
+        if path.endswith(".json"):
+            try:
+                tokens = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{CONNECTOR_NAME}: pinned prompt {path} is not JSON: {e}") from None
+            if not (isinstance(tokens, list) and all(isinstance(t, int) and t >= 0 for t in tokens)):
+                raise ValueError(f"{CONNECTOR_NAME}: pinned prompt {path} must be a JSON list of token ids")
+        else:
+            if model_config.skip_tokenizer_init:
+                raise ValueError(f"{CONNECTOR_NAME}: pinned prompt {path} is text, but the engine has no "
+                                 "tokenizer (skip_tokenizer_init); give its token ids as a .json list")
+            from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+            tokens = cached_tokenizer_from_config(model_config).encode(text)
+        prompts.append(tokens)
+    return prompts
 
 
 def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockLayout:
@@ -242,10 +276,15 @@ class _RequestState:
 class _Tier:
     """One tier's index: which blocks it holds (a ConversationTree) and how many it can."""
 
-    def __init__(self, name: str, capacity: int, policy: str):
+    def __init__(self, name: str, capacity: int, policy: str, pinned: list[list[BlockKey]]):
         self.name = name
         self.capacity = capacity
         self.tree = ConversationTree(make_policy(policy))
+        self.pinned = pinned  # chains pinned as soon as the tier holds them
+        pinned_blocks = len({key for chain in pinned for key in chain})
+        if pinned_blocks >= capacity:
+            raise ValueError(f"{CONNECTOR_NAME}: the pinned prompts take {pinned_blocks} blocks, the {name} tier "
+                             f"holds {capacity}; make it larger or pin less")
 
     def admit(self, keys: list[BlockKey], now: float) -> tuple[int, list[BlockKey], list[BlockKey]]:
         """Makes the chain `keys` stored as far as room allows, evicting as the
@@ -263,19 +302,24 @@ class _Tier:
                          self.name, self.tree.policy.name, missing)
         new = min(missing, self.capacity - len(self.tree))
         added = self.tree.insert(keys[:stored + new], now)
+        if added:
+            for chain in self.pinned:
+                self.tree.pin(chain)
         return stored, added, evicted
 
 
 class _Scheduler:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: PensieveConfig,
-                 layout: BlockLayout | None = None):
+                 layout: BlockLayout | None = None, pinned_prompts: list[list[int]] = ()):
         self.block_size = vllm_config.cache_config.block_size
+        # The blocks before a pinned prompt's last token: that token may merge with the text that follows it.
+        pinned = [chain_keys(tokens[:-1], self.block_size) for tokens in pinned_prompts]
         self.block_bytes = block_bytes_of(kv_cache_config)
         capacity = config.host_blocks(self.block_bytes)
         if capacity < 1:
             raise ValueError(f"{CONNECTOR_NAME}: host_cache_gib={config.host_cache_gib} holds no block of "
                              f"{self.block_bytes} bytes")
-        self.host = _Tier("host", capacity, config.eviction_policy)
+        self.host = _Tier("host", capacity, config.eviction_policy, pinned)
         self.requests: dict[str, _RequestState] = {}
         self.pending = PensieveMetadata()
         self.holds: list[tuple[ConversationTree, list[BlockKey]]] = []  # released once the step's metadata is out
@@ -284,11 +328,17 @@ class _Scheduler:
                     capacity, config.host_cache_gib, self.block_bytes, config.eviction_policy)
         self.disk: _Tier | None = None
         if config.disk_cache_dir is not None:
-            self.disk = _Tier("disk", config.disk_blocks(self.block_bytes), config.eviction_policy)
+            self.disk = _Tier("disk", config.disk_blocks(self.block_bytes), config.eviction_policy, pinned)
             store = DiskStore(config.disk_cache_dir, layout or block_layout(vllm_config, kv_cache_config))
             found = self._index_disk(store)
             logger.info("%s: disk tier of %d blocks (%.1f GiB) under %s; %d blocks kept from earlier runs",
                         CONNECTOR_NAME, self.disk.capacity, config.disk_cache_gib, store.directory, found)
+            for chain in pinned:  # back in host memory before the first request
+                self.host.tree.release(self._promote(chain, 0, 0))
+        if pinned:
+            logger.info("%s: %d pinned prompts, %d blocks, never evicted (stored when first computed; %d "
+                        "blocks being read from disk now)", CONNECTOR_NAME, len(pinned), sum(map(len, pinned)),
+                        sum(map(len, self.pending.promotions)))
 
     def _index_disk(self, store: DiskStore) -> int:
         """Rebuilds the disk tier's tree from the block files' headers. Blocks
@@ -307,6 +357,8 @@ class _Scheduler:
                 parents.append(entry.key)
         orphans = [entry.key for group in children.values() for entry in group]
         over = max(0, len(self.disk.tree) - self.disk.capacity)
+        for chain in self.disk.pinned:
+            self.disk.tree.pin(chain)
         for key in orphans + self.disk.tree.evict(over, time.monotonic()):
             store.drop(key)
         return len(self.disk.tree)
@@ -577,6 +629,7 @@ class _Worker:
         self.layer_names = layer_names  # the layout's layer order
         self.layers: list[torch.Tensor] = []  # each [num_blocks, block bytes of the layer] uint8
         self.columns: list[slice] = []  # each layer's bytes within a host row
+        self.device = torch.device("cpu")
         self.store = HostStore(layout, config.host_blocks(layout.block_bytes))
         self.disk = _DiskIO(DiskStore(config.disk_cache_dir, layout)) if config.disk_cache_dir else None
         self.meta = PensieveMetadata()
@@ -595,6 +648,7 @@ class _Worker:
                                  f"{kv[0].numel() * kv.element_size()} bytes per block, the scheduler planned "
                                  f"with {width}")
             self.layers.append(kv.view(torch.uint8).reshape(num_blocks, width))
+            self.device = kv.device  # host rows are in host memory whatever the KV cache's device
             self.columns.append(slice(offset, offset + width))
             offset += width
 
@@ -608,16 +662,16 @@ class _Worker:
         for key in meta.evictions:
             self.store.drop(key)
         if meta.stores:
-            block_ids = torch.tensor([c.block_id for c in meta.stores], dtype=torch.long)
+            block_ids = torch.tensor([c.block_id for c in meta.stores], dtype=torch.long, device=self.device)
             rows = [self.store.put(c.key) for c in meta.stores]
             for layer, columns in zip(self.layers, self.columns):
-                for row, data in zip(rows, layer.index_select(0, block_ids)):
+                for row, data in zip(rows, layer.index_select(0, block_ids).cpu()):
                     row[columns].copy_(data)
         if meta.loads:
-            block_ids = torch.tensor([c.block_id for c in meta.loads], dtype=torch.long)
+            block_ids = torch.tensor([c.block_id for c in meta.loads], dtype=torch.long, device=self.device)
             rows = torch.stack([self.store.get(c.key) for c in meta.loads])
             for layer, columns in zip(self.layers, self.columns):
-                layer.index_copy_(0, block_ids, rows[:, columns])
+                layer.index_copy_(0, block_ids, rows[:, columns].to(self.device))
         self.finished_sending.update(meta.finished_after_store)
         if meta.stores or meta.evictions or meta.disk_writes or meta.promotions:
             logger.debug("%s: step copies: %d evictions, %d stores, %d loads; disk: %d drops, %d writes, "
@@ -628,7 +682,7 @@ class _Worker:
                 self.disk.drop(key)
             for item in meta.disk_writes:  # copies now: a row or block may be reused before the write
                 self.disk.write(item, self.store.get(item.key).clone() if item.block_id is None else
-                                torch.cat([layer[item.block_id] for layer in self.layers]))
+                                torch.cat([layer[item.block_id] for layer in self.layers]).cpu())
             for keys in meta.promotions:
                 self.disk.promote(keys, [self.store.put(key) for key in keys])
 
@@ -671,8 +725,8 @@ class PensieveConnector(KVConnectorBase_V1):
             raise ValueError(f"{CONNECTOR_NAME} supports models with one KV cache group (every layer full "
                              f"attention); this model has {len(kv_cache_config.kv_cache_groups)}")
         layout = block_layout(vllm_config, kv_cache_config)
-        self._scheduler = _Scheduler(vllm_config, kv_cache_config, config, layout) \
-            if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = _Scheduler(vllm_config, kv_cache_config, config, layout, pinned_prompt_tokens(
+            config.pinned_prompts, vllm_config.model_config)) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(config, layout, kv_cache_config.kv_cache_groups[0].layer_names) \
             if role == KVConnectorRole.WORKER else None
         self._requests: dict[str, Request] = {}
