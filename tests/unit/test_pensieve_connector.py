@@ -244,12 +244,17 @@ def test_conversations_on_disk_survive_a_restart_and_load_once_for_two_requests(
     assert params == {"pensieve": {"host_loaded_tokens": 96, "disk_loaded_tokens": 96}}
 
 
-def test_a_corrupted_block_on_disk_is_recomputed_with_everything_after_it(tmp_path):
+def _server_that_stopped(tmp_path):
+    """An engine that computed one 6-block conversation (KV blocks 10..15) into its disk tier, then stopped."""
     first = _Engine(tmp_path)
     turn1 = _request("a", range(1000, 1100))
     first.compute(turn1, list(range(10, 17)))
     first.worker.shutdown()
-    keys = chain_keys(turn1.all_token_ids, BLOCK)
+    return first, turn1, chain_keys(turn1.all_token_ids, BLOCK)
+
+
+def test_a_corrupted_block_on_disk_is_recomputed_with_everything_after_it(tmp_path):
+    first, turn1, keys = _server_that_stopped(tmp_path)
     path = first.worker.disk.store.path(keys[3])
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # one flipped bit of KV data
@@ -268,11 +273,7 @@ def test_a_corrupted_block_on_disk_is_recomputed_with_everything_after_it(tmp_pa
 
 
 def test_the_disk_index_drops_unreachable_blocks_and_what_exceeds_its_size_at_start(tmp_path):
-    first = _Engine(tmp_path)
-    a = _request("a", range(1000, 1100))
-    first.compute(a, list(range(10, 17)))
-    first.worker.shutdown()
-    keys = chain_keys(a.all_token_ids, BLOCK)
+    first, _, keys = _server_that_stopped(tmp_path)
     first.worker.disk.store.path(keys[1]).unlink()  # blocks 2..5 lose their parent
     second = _Engine(tmp_path, disk_blocks=4)
     assert set(second.scheduler.disk.tree.keys()) == {keys[0]}
