@@ -315,7 +315,7 @@ class Terminated(KeyboardInterrupt):
     pass
 
 
-def _raise_terminated(signum, frame):
+def raise_terminated(signum, frame):
     raise Terminated(f"signal {signum}")
 
 
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 indent=2, default=str) + "\n")
     progress(f"results in {out}; {len(runs)} runs per server: " + ", ".join(r.name for r in runs))
 
-    previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
     # Also where SIGINT was ignored at start (a job started with & by a script), Ctrl-C must stop the servers.
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     status = 0
