@@ -27,6 +27,8 @@ def test_conversations_continue_from_the_host_tier_with_stock_tokens(runs, basel
     run = runs(CONFIG, backend, "conversations", policy)
     assert "PensieveConnector: host tier of 32 blocks" in run["log"]
     assert f"blocks from the host tier ({policy}) to store" in run["log"]  # the tier was full at times
+    # vLLM's own cache follows Pensieve's order under that policy and keeps its LRU under lru.
+    assert ("cached blocks of vLLM's KV cache reordered (pensieve)" in run["log"]) == (policy == "pensieve")
     assert [r["group"] for r in run["results"]] == [r["group"] for r in baseline["results"]]
     for ours, stock in zip(run["results"], baseline["results"]):
         assert ours["tokens"] == stock["tokens"], ours["group"]

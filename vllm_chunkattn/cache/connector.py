@@ -64,7 +64,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_chunkattn.cache import CONNECTOR_NAME
 from vllm_chunkattn.cache.block_store import BadBlock, BlockKey, BlockLayout, DiskStore, HostStore
-from vllm_chunkattn.cache.conversation_tree import POLICIES, ConversationTree, make_policy
+from vllm_chunkattn.cache.conversation_tree import POLICIES, ConversationTree, LruPolicy, make_policy
+from vllm_chunkattn.cache.primary_order import PrimaryEvictionOrder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -324,6 +325,8 @@ class _Scheduler:
         self.pending = PensieveMetadata()
         self.holds: list[tuple[ConversationTree, list[BlockKey]]] = []  # released once the step's metadata is out
         self.promoting: set[BlockKey] = set()  # host rows the worker is still reading from disk
+        self.policy_name = config.eviction_policy
+        self.primary: PrimaryEvictionOrder | None = None  # vLLM's own cache, once its block pool is bound
         logger.info("%s: host tier of %d blocks (%.2f GiB, %d bytes each), eviction policy %s", CONNECTOR_NAME,
                     capacity, config.host_cache_gib, self.block_bytes, config.eviction_policy)
         self.disk: _Tier | None = None
@@ -362,6 +365,11 @@ class _Scheduler:
         for key in orphans + self.disk.tree.evict(over, time.monotonic()):
             store.drop(key)
         return len(self.disk.tree)
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        """vLLM's cache keeps its own LRU order under `lru`; any other policy orders it too."""
+        if self.policy_name != LruPolicy.name:
+            self.primary = PrimaryEvictionOrder(block_pool, make_policy(self.policy_name))
 
     def _state(self, request: Request) -> _RequestState:
         state = self.requests.get(request.request_id)
@@ -488,6 +496,8 @@ class _Scheduler:
             state = self._state(request)
             if state.cacheable and block_state is not None:
                 self._plan_stores(state, block_state.get_block_ids(request_id)[0], request.num_computed_tokens)
+        if self.primary is not None:
+            self.primary.step(time.monotonic())
         meta, self.pending = self.pending, PensieveMetadata()
         for tree, keys in self.holds:
             tree.release(keys)
@@ -530,6 +540,8 @@ class _Scheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Stores what the request computed since the last step; its blocks are
         freed once the worker has copied them (the next step)."""
+        if self.primary is not None:
+            self.primary.on_request_finished(block_ids, time.monotonic())
         if request.request_id not in self.requests:
             return False, None
         state = self._state(request)
@@ -750,6 +762,9 @@ class PensieveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output, self._requests)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._scheduler.bind_block_pool(gpu_block_pool)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         done = connector_output.kv_connector_worker_meta

@@ -68,7 +68,7 @@ class TrailingRun:
     """A leaf and the blocks above it that only its conversation holds:
     what evicting from this conversation can free."""
 
-    leaf: Node
+    leaf: Node  # (primary_order.py passes its FinishedRun: policies only read length and idle_s)
     length: int  # blocks, leaf included
     idle_s: float  # since the conversation was last used
 
