@@ -327,3 +327,21 @@ def test_pinned_prompt_files(tmp_path):
     with pytest.raises(ValueError, match="pinned prompt file .*missing.txt does not exist"):
         PensieveConfig.from_extra_config({"pinned_prompts": [str(tmp_path / "missing.txt")]})
     assert PensieveConfig.from_extra_config({"pinned_prompts": [str(text)]}).pinned_prompts == (str(text),)
+
+
+def test_a_cache_reset_empties_the_host_tier_but_for_pinned_prompts(tmp_path):
+    system = list(range(1000, 1050))
+    engine = _Engine(tmp_path, pinned=[system])
+    a = _request("a", system + list(range(2000, 2050)))
+    engine.compute(a, list(range(10, 17)))
+    b = _request("b", system + list(range(3000, 3050)))
+    engine.scheduler.on_new_request(b)
+    engine.scheduler.promoting.add(b"in flight")  # stands for a copy under way: its block stays
+    engine.scheduler.host.tree.insert([b"in flight"], 0.0)
+    engine.scheduler.host.tree.acquire([b"in flight"])
+    assert engine.scheduler.reset_cache() is False
+    engine.scheduler.host.tree.release([b"in flight"])
+    assert engine.scheduler.reset_cache() is True
+    assert set(engine.scheduler.host.tree.keys()) == set(chain_keys(system[:-1], BLOCK))
+    engine.step({}, {})
+    assert len(engine.worker.store) == 3 and len(engine.scheduler.disk.tree) == 6  # the disk tier stays

@@ -537,6 +537,16 @@ class _Scheduler:
             self.pending.disk_writes = [w for w in self.pending.disk_writes if w.key not in removed]
         self.holds = [(t, [k for k in keys if t is not tree or k not in removed]) for t, keys in self.holds]
 
+    def reset_cache(self) -> bool:
+        """Empties the host tier but for pinned prompts (vLLM's /reset_prefix_cache with
+        reset_external). The disk tier stays: it is meant to outlive the server; delete its
+        directory to clear it. False while blocks are being copied: try again."""
+        self.pending.evictions += self.host.tree.evict(len(self.host.tree), time.monotonic())
+        for state in self.requests.values():
+            state.stored_blocks = 0
+        pinned = len({key for chain in self.host.pinned for key in chain if key in self.host.tree})
+        return len(self.host.tree) == pinned
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Stores what the request computed since the last step; its blocks are
         freed once the worker has copied them (the next step)."""
@@ -762,6 +772,9 @@ class PensieveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output, self._requests)
+
+    def reset_cache(self) -> bool:
+        return self._scheduler.reset_cache()
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._scheduler.bind_block_pool(gpu_block_pool)
