@@ -26,11 +26,16 @@ PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 SAMPLED = (KV_CACHE_USAGE, RUNNING, WAITING, FINISHED, PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
 
 
+def metrics_text(url: str, timeout_s: float = 5.0) -> str:
+    """The server's /metrics page, Prometheus text format."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+        return r.read().decode()
+
+
 def scrape(url: str, timeout_s: float = 5.0) -> tuple[dict[str, float], dict[str, str]]:
     """The sampled metrics (summed over label sets), and the labels of
     `vllm:cache_config_info` (block size, KV cache bytes, ...)."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-        text = r.read().decode()
+    text = metrics_text(url, timeout_s)
     values = dict.fromkeys(SAMPLED, 0.0)
     cache_config: dict[str, str] = {}
     for family in text_string_to_metric_families(text):

@@ -56,8 +56,8 @@ from pathlib import Path
 import aiohttp
 
 from vllm_chunkattn.bench import machine
-from vllm_chunkattn.bench.metrics_poller import MetricsPoller
-from vllm_chunkattn.bench.report import percentile
+from vllm_chunkattn.bench.metrics_poller import MetricsPoller, metrics_text
+from vllm_chunkattn.bench.report import _pyplot, percentile
 from vllm_chunkattn.bench.serve import Progress, environment_info, error_lines, raise_terminated
 from vllm_chunkattn.testing.compare import compare_runs
 from vllm_chunkattn.testing.models import SPECIAL_TOKENS, add_model_arguments
@@ -444,10 +444,7 @@ def parse_counters(text: str) -> dict[str, float]:
 
 
 def read_counters(url: str) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        return parse_counters(r.read().decode())
+    return parse_counters(metrics_text(url, timeout_s=30))
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -880,15 +877,6 @@ def markdown(results: dict) -> str:
               "counts: the server's counters (`vllm:prompt_tokens_by_source`, `vllm:prefix_cache_*`, "
               "`vllm:external_prefix_cache_*`) read before and after the run.", ""]
     return "\n".join(lines)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 STYLE = {"stock-nocache": dict(color="tab:gray", marker="x"), "stock": dict(color="tab:blue", marker="o"),

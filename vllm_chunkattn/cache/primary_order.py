@@ -69,8 +69,7 @@ class PrimaryEvictionOrder:
     def _free_blocks_by_run(self) -> dict[FinishedRun, list[int]]:
         """Each run's blocks still free and holding what it cached, in prompt order."""
         by_run: dict[FinishedRun, list[int]] = {}
-        runs = {id(run): run for run in self.owner.values()}.values()
-        for run in runs:
+        for run in dict.fromkeys(self.owner.values()):  # each run once, in the order first seen
             for block_id, block_hash in zip(run.block_ids, run.hashes):
                 block = self.pool.blocks[block_id]
                 if self.owner.get(block_id) is not run:
