@@ -19,10 +19,13 @@
 // chunks that cross the diagonal). Items are handed out on
 // torch's intra-op pool, costliest (longest context) requests first, the tiles
 // of one (request, kv head) one after the other so its context is read from
-// DRAM about once. A thread claims its next item before running the current
+// DRAM about once, and one head of every request before the next head when
+// requests share cached blocks, so a shared prefix is too. A thread claims its next item before running the current
 // one and prefetches that item's query rows; a tile skips the keys past the
 // causal limit of each of its lane vectors.
 #include <ATen/Dispatch.h>
+
+#include <unordered_set>
 
 #include "chunkattn.h"
 #include "cpu/driver_utils.h"
@@ -42,6 +45,17 @@ std::vector<int64_t> to_int64(const torch::Tensor& t, const char* name) {
   const torch::Tensor c = t.to(at::kLong).contiguous();
   const int64_t* p = c.data_ptr<int64_t>();
   return std::vector<int64_t>(p, p + c.numel());
+}
+
+// Whether two requests have the same first cached block (a whole block of
+// context before their new tokens).
+bool share_cached_blocks(const std::vector<int64_t>& qsl, const std::vector<int64_t>& lens, const int32_t* table,
+                         int64_t table_stride, int64_t block_size) {
+  std::unordered_set<int32_t> first_blocks;
+  for (size_t i = 0; i < lens.size(); ++i)
+    if (lens[i] - (qsl[i + 1] - qsl[i]) >= block_size && !first_blocks.insert(table[i * table_stride]).second)
+      return true;
+  return false;
 }
 
 template <typename qscalar_t>
@@ -70,31 +84,48 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     int64_t t0, t1;  // new tokens [t0, t1) of the request
     double cost;  // of the item's (request, head) group
   };
-  std::vector<Item> items;
-  std::vector<double> group_cost;  // per (request, kv head): all its tiles
+  std::vector<double> request_cost(num_reqs, 0.0);  // of each of its (request, kv head) groups: all its tiles
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t num_new = qsl[i + 1] - qsl[i];
     TORCH_CHECK(num_new >= 0 && num_new <= lens[i], "chunkattn: request ", i, " has ", num_new,
                 " new tokens but seq_len ", lens[i]);
     TORCH_CHECK((lens[i] + block_size - 1) / block_size <= block_table.size(1), "chunkattn: request ", i,
                 " needs more blocks than the block table has");
-    if (num_new == 0) continue;
     const int64_t ctx = lens[i] - num_new;
-    double total = 0;
     for (int64_t t0 = 0; t0 < num_new; t0 += tile_tokens) {
       const int64_t t1 = std::min(num_new, t0 + tile_tokens);
-      total += static_cast<double>((t1 - t0) * group) * (ctx + t1);
+      request_cost[i] += static_cast<double>((t1 - t0) * group) * (ctx + t1);
     }
-    // Last tiles first (they see the most keys); the tiles of one (request,
-    // head) stay adjacent, so the threads taking them read that context while
-    // it is still in the caches.
-    for (int32_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t0 = (num_new - 1) / tile_tokens * tile_tokens; t0 >= 0; t0 -= tile_tokens) {
-        const int64_t t1 = std::min(num_new, t0 + tile_tokens);
-        items.push_back({static_cast<int32_t>(i), h, t0, t1, total});
-      }
   }
-  // Costliest (request, head) groups first, keeping each group's tiles together.
+  // Requests that share cached blocks (a burst behind one system prompt;
+  // prefix caching shares from the first block on) go head-major: one KV head
+  // of every request before the next head, so each head's shared blocks are
+  // read back to back while the previous request left them in the caches.
+  // Request-major, each request would stream every head of the prefix from
+  // DRAM again once the prefix exceeds the last-level cache (on a Zen 4, 15%
+  // of the time of 32 x 64 new tokens behind 2048 shared fp32 tokens of 32
+  // heads). Without
+  // sharing, request-major reads each request's blocks whole (all heads of a
+  // block are adjacent), which is a few percent faster.
+  // Within a (request, head), last tiles first (they see the most keys), its
+  // tiles adjacent, so the threads taking them read that context while it is
+  // still in the caches.
+  std::vector<Item> items;
+  auto push_group = [&](int64_t i, int32_t h) {
+    const int64_t num_new = qsl[i + 1] - qsl[i];
+    if (num_new == 0) return;
+    for (int64_t t0 = (num_new - 1) / tile_tokens * tile_tokens; t0 >= 0; t0 -= tile_tokens)
+      items.push_back({static_cast<int32_t>(i), h, t0, std::min(num_new, t0 + tile_tokens), request_cost[i]});
+  };
+  if (share_cached_blocks(qsl, lens, table, table_stride, block_size)) {
+    for (int32_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t i = 0; i < num_reqs; ++i) push_group(i, h);
+  } else {
+    for (int64_t i = 0; i < num_reqs; ++i)
+      for (int32_t h = 0; h < num_kv_heads; ++h) push_group(i, h);
+  }
+  // Costliest (request, head) groups first, keeping each group's tiles
+  // together and equal-cost groups in the order above.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   // The query rows of an item are scattered rows of a tensor far larger than

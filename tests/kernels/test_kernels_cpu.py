@@ -511,6 +511,26 @@ def test_paged_prefill_int64_metadata_and_long_prompt(isa):
                   query, 0, ref, torch.float32, "paged_prefill")
 
 
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_prefill_burst_behind_a_shared_prefix(isa):
+    """Requests whose cached context starts with the same blocks (the driver then walks one KV head of every
+    request before the next head), of different lengths, one of them computing its prompt from scratch."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, head_size, kv_heads, group = 32, 64, 3, 2
+    shared = [0, 1, 2]
+    table = torch.tensor([shared + [3, 4], shared + [5, 0], shared + [6, 7], [8, 9, 10, 11, 0]], dtype=torch.int32)
+    lens = torch.tensor([150, 100, 160, 120], dtype=torch.int32)
+    num_new = [40, 4, 64, 120]
+    qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    kv = torch.randn(12, kv_heads, block_size, 2 * head_size, generator=gen)
+    query = torch.randn(int(qsl[-1]), kv_heads * group, head_size, generator=gen)
+    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl,
+                scale=head_size**-0.5)
+    ref = _prefill_reference(case)
+    assert_on_isa(isa, lambda out: ops.paged_prefill(query, kv, qsl, lens, table, case["scale"], out),
+                  query, 0, ref, torch.float32, "paged_prefill")
+
 # ---------------------------------------------------------------------------
 # KV write
 
