@@ -104,9 +104,8 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
   // Request-major, each request would stream every head of the prefix from
   // DRAM again once the prefix exceeds the last-level cache (on a Zen 4, 15%
   // of the time of 32 x 64 new tokens behind 2048 shared fp32 tokens of 32
-  // heads). Without
-  // sharing, request-major reads each request's blocks whole (all heads of a
-  // block are adjacent), which is a few percent faster.
+  // heads). Without sharing, request-major reads each request's blocks whole
+  // (all heads of a block are adjacent), which is a few percent faster.
   // Within a (request, head), last tiles first (they see the most keys), its
   // tiles adjacent, so the threads taking them read that context while it is
   // still in the caches.
