@@ -40,6 +40,13 @@ DECODE_NODES = {(frozenset({0, 1, 2}), 0, 1), (frozenset({0, 1}), 1, 2)}
 PREFILLS = [Req([1, 6], 50, 20), Req([7, 8], 64, 64)]
 
 
+@pytest.fixture(autouse=True)
+def built_in_cpu_tuning(monkeypatch):
+    """The built-in tree reach (CPU.tree_max_rows_per_kv_head) rather than the one this CPU measures: the
+    tests say which requests take the tree path."""
+    monkeypatch.setenv("CHUNKATTN_CPU_TUNING", "default")
+
+
 def make_builder() -> ChunkAttentionMetadataBuilder:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float32)
     # The embedded test model: 4 query heads of 64 over 2 KV heads, as in the spec.
@@ -223,16 +230,19 @@ def test_step_trees_are_logged_at_debug_level_and_read_back(caplog):
     assert parse_step_trees(caplog.text) == []
 
 
-def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch):
-    """At engine start the CPU kernels get the tile parameters tuned for the layer shape (kernels/cpu_tuning.py)."""
+@pytest.mark.parametrize("reach,max_query_len", [(8, 4), (2, 1), (5, 2)])
+def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch, reach, max_query_len):
+    """At engine start the CPU kernels get the tile parameters tuned for the layer shape, and requests
+    take the tree path up to the query length the tuning measured for it (kernels/cpu_tuning.py)."""
     from vllm_chunkattn.kernels import cpu_tuning
 
     asked = []
-    tuned = cpu_tuning.CpuTuning(prefill_tile_rows=32, lanes_tile_keys=256, prefetch_distance=2)
+    tiles = cpu_tuning.CpuTuning(prefill_tile_rows=32, lanes_tile_keys=256, prefetch_distance=2)
+    tuned = cpu_tuning.ShapeTuning(tiles, tree_max_rows_per_kv_head=reach)
 
     def ensure_tuned(shape):
         asked.append(shape)
-        tuned.apply()
+        tiles.apply()
         return tuned
 
     before = cpu_tuning.current()
@@ -241,6 +251,7 @@ def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch):
         builder = make_builder()
         assert asked == [builder.decode_shape]
         assert (builder.decode_shape.num_heads, builder.decode_shape.num_kv_heads) == (4, 2)
-        assert cpu_tuning.current() == tuned
+        assert cpu_tuning.current() == tiles
+        assert builder.reorder_batch_threshold == max_query_len
     finally:
         before.apply()

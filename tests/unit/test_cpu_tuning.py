@@ -1,4 +1,4 @@
-"""The CPU tile parameters: limits, measurement, the on-disk cache and its failure modes.
+"""The CPU tile parameters and the tree path's reach: limits, measurement, the on-disk cache and its failure modes.
 
 That every tuning gives the same results is tested with the kernels
 (tests/kernels/test_kernels_cpu.py draws one per example)."""
@@ -14,6 +14,7 @@ import torch
 
 from vllm_chunkattn import _C
 from vllm_chunkattn.kernels import cpu_tuning
+from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix.plan import DecodeShape
 
 SMALL = DecodeShape(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
@@ -61,13 +62,49 @@ def test_values_outside_the_limits_are_refused_and_change_nothing(field):
 
 def test_measure_picks_candidates_applies_them_and_records_every_candidate():
     tuning, measured = cpu_tuning.measure(SMALL)
-    assert cpu_tuning.current() == tuning
+    assert cpu_tuning.current() == tuning.tiles
     for name, candidates in cpu_tuning.CANDIDATES.items():
-        assert getattr(tuning, name) in candidates
+        assert getattr(tuning.tiles, name) in candidates
         assert set(measured[name]) == {str(c) for c in candidates}
         assert all(v > 0 for v in measured[name].values())
         # The first candidate is the unit of the relative times.
         assert measured[name][str(candidates[0])] == pytest.approx(len(cpu_tuning.WORKLOADS[name]))
+    # The reach: q x group for doubling q, up to the first q where the tree path lost.
+    reach = measured["tree_max_rows_per_kv_head"]
+    timed = sorted(int(rows) for rows in reach)
+    assert timed == [SMALL.group * 2**i for i in range(1, len(timed) + 1)]
+    assert all(reach[str(rows)] >= 1.0 for rows in timed[:-1])
+    assert tuning.tree_max_rows_per_kv_head == max([SMALL.group] + [r for r in timed if reach[str(r)] >= 1.0])
+
+
+def test_the_two_paths_of_the_reach_measurement_agree():
+    """The tree path and the per-request prefill timed against each other compute the same attention."""
+    for shape, atol in ((SMALL, 1e-5),
+                        (DecodeShape(num_heads=8, num_kv_heads=8, head_size=128, block_size=32,
+                                     dtype=torch.bfloat16), 2e-2)):
+        paths = cpu_tuning.tree_paths(shape, query_len=3)
+        tree, per_request = paths["tree"]().float(), paths["per_request"]().float()
+        assert tree.shape == (cpu_tuning.TREE_REQUESTS * 3, shape.num_heads, shape.head_size)
+        assert torch.allclose(tree, per_request, atol=atol), shape
+
+
+@pytest.mark.parametrize("gains,reach", [
+    ([1.5, 1.2, 0.9], 8),  # group 2: q = 2 and 4 win (4, 8 rows per KV head), q = 8 loses
+    ([0.8], 2),            # q = 2 loses already: decodes only (q = 1, the group's 2 rows)
+    ([1.1] * 5, 64),       # never loses: up to TREE_MAX_ROWS_PER_KV_HEAD
+])
+def test_the_reach_stops_at_the_first_loss(monkeypatch, gains, reach):
+    timed = []
+
+    def gain(shape, query_len):
+        timed.append(query_len)
+        return gains[len(timed) - 1]
+
+    monkeypatch.setattr(cpu_tuning, "tree_gain", gain)
+    measured_reach, measured = cpu_tuning.measure_tree_reach(SMALL)
+    assert measured_reach == reach
+    assert timed == [2 ** (i + 1) for i in range(len(gains))]
+    assert measured == {str(SMALL.group * q): g for q, g in zip(timed, gains)}
 
 
 def test_a_change_needs_min_gain(monkeypatch):
@@ -79,13 +116,15 @@ def test_a_change_needs_min_gain(monkeypatch):
         return {c: 1.0 if c == getattr(default, name) else 0.98 for c in candidates}
 
     monkeypatch.setattr(cpu_tuning, "_time_candidates", timed)
-    assert cpu_tuning.measure(SMALL)[0] == default
+    monkeypatch.setattr(cpu_tuning, "measure_tree_reach", lambda shape: (4, {}))
+    assert cpu_tuning.measure(SMALL)[0] == cpu_tuning.ShapeTuning(default, 4)
 
     def much_faster(name, candidates, base, calls):
         return {c: 1.0 if c != candidates[-1] else 0.5 for c in candidates}
 
     monkeypatch.setattr(cpu_tuning, "_time_candidates", much_faster)
-    assert cpu_tuning.measure(SMALL)[0] == cpu_tuning.CpuTuning(**{n: c[-1] for n, c in cpu_tuning.CANDIDATES.items()})
+    assert cpu_tuning.measure(SMALL)[0].tiles == cpu_tuning.CpuTuning(**{n: c[-1] for n, c in
+                                                                        cpu_tuning.CANDIDATES.items()})
 
 
 def test_ensure_tuned_measures_once_caches_and_reuses_the_file(monkeypatch, caplog):
@@ -98,7 +137,8 @@ def test_ensure_tuned_measures_once_caches_and_reuses_the_file(monkeypatch, capl
     assert calls == [SMALL]
     path = cpu_tuning.cache_path(cpu_tuning.tuning_key(SMALL))
     record = json.loads(path.read_text())
-    assert record["tuning"] == dataclasses.asdict(first)
+    assert record["tuning"] == dataclasses.asdict(first.tiles)
+    assert record["tree_max_rows_per_kv_head"] == first.tree_max_rows_per_kv_head
     assert record["key"]["shape"]["dtype"] == "float32" and record["key"]["kernel_build"] == cpu_tuning.kernel_build()
     logged = [r.getMessage() for r in caplog.records if "chunkattn CPU kernels" in r.getMessage()]
     assert len(logged) == 1 and "measured in" in logged[0] and first.describe() in logged[0]
@@ -108,7 +148,7 @@ def test_ensure_tuned_measures_once_caches_and_reuses_the_file(monkeypatch, capl
     _forbid_measuring(monkeypatch)
     cpu_tuning.CpuTuning(prefill_tile_rows=8, lanes_tile_keys=16, prefetch_distance=4).apply()
     assert cpu_tuning.ensure_tuned(SMALL) == first
-    assert cpu_tuning.current() == first
+    assert cpu_tuning.current() == first.tiles
 
 
 def test_the_key_separates_shapes_and_dtypes():
@@ -118,11 +158,13 @@ def test_the_key_separates_shapes_and_dtypes():
     assert len(paths) == 3
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "out of range", "missing field"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "out of range", "missing field",
+                                    "reach out of range", "reach missing"])
 def test_a_damaged_cache_file_is_measured_again(monkeypatch, caplog, damage):
     key = cpu_tuning.tuning_key(SMALL)
     path = cpu_tuning.cache_path(key)
-    good = cpu_tuning.CpuTuning(prefill_tile_rows=32, lanes_tile_keys=256, prefetch_distance=2)
+    good = cpu_tuning.ShapeTuning(cpu_tuning.CpuTuning(prefill_tile_rows=32, lanes_tile_keys=256,
+                                                       prefetch_distance=2), tree_max_rows_per_kv_head=8)
     cpu_tuning.save(path, key, good, {}, 0.0)
     text = path.read_text()
     record = json.loads(text)
@@ -136,25 +178,33 @@ def test_a_damaged_cache_file_is_measured_again(monkeypatch, caplog, damage):
     elif damage == "out of range":
         record["tuning"]["lanes_tile_keys"] = 10**6
         path.write_text(json.dumps(record))
-    else:
+    elif damage == "missing field":
         del record["tuning"]["prefetch_distance"]
         path.write_text(json.dumps(record))
+    elif damage == "reach out of range":
+        record["tree_max_rows_per_kv_head"] = 0
+        path.write_text(json.dumps(record))
+    else:
+        del record["tree_max_rows_per_kv_head"]
+        path.write_text(json.dumps(record))
     measured = []
-    fresh = cpu_tuning.CpuTuning(prefill_tile_rows=128, lanes_tile_keys=64, prefetch_distance=0)
+    fresh = cpu_tuning.ShapeTuning(cpu_tuning.CpuTuning(prefill_tile_rows=128, lanes_tile_keys=64,
+                                                        prefetch_distance=0), tree_max_rows_per_kv_head=16)
     monkeypatch.setattr(cpu_tuning, "measure", lambda shape: (measured.append(shape) or (fresh, {})))
     with caplog.at_level(logging.WARNING, logger="vllm.chunkattn"):
         assert cpu_tuning.ensure_tuned(SMALL) == fresh
     assert measured == [SMALL]
-    assert cpu_tuning.current() == fresh
+    assert cpu_tuning.current() == fresh.tiles
     assert any("ignoring the CPU tuning cache" in r.getMessage() for r in caplog.records)
-    assert json.loads(path.read_text())["tuning"] == dataclasses.asdict(fresh)  # rewritten
+    rewritten = json.loads(path.read_text())
+    assert rewritten["tuning"] == dataclasses.asdict(fresh.tiles) and rewritten["tree_max_rows_per_kv_head"] == 16
 
 
 def test_an_unwritable_cache_only_warns(monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setattr(cpu_tuning, "cache_dir", lambda: blocker / "cpu-tuning")  # under a file: mkdir fails
-    fresh = cpu_tuning.CpuTuning(prefetch_distance=2)
+    fresh = cpu_tuning.ShapeTuning(cpu_tuning.CpuTuning(prefetch_distance=2), tree_max_rows_per_kv_head=4)
     monkeypatch.setattr(cpu_tuning, "measure", lambda shape: (fresh, {}))
     with caplog.at_level(logging.WARNING, logger="vllm.chunkattn"):
         assert cpu_tuning.ensure_tuned(SMALL) == fresh
@@ -165,7 +215,8 @@ def test_default_mode_uses_the_built_in_values_without_measuring(monkeypatch):
     monkeypatch.setenv(cpu_tuning.ENV_VAR, "default")
     _forbid_measuring(monkeypatch)
     cpu_tuning.CpuTuning(prefetch_distance=3).apply()
-    assert cpu_tuning.ensure_tuned(SMALL) == cpu_tuning.CpuTuning()
+    assert cpu_tuning.ensure_tuned(SMALL) == cpu_tuning.ShapeTuning(cpu_tuning.CpuTuning(),
+                                                                    CPU.tree_max_rows_per_kv_head)
     assert cpu_tuning.current() == cpu_tuning.CpuTuning()
     assert not cpu_tuning.cache_dir().exists()
 

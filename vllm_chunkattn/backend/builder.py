@@ -137,13 +137,18 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 "Enable prefix caching to benefit.",
                 BACKEND_NAME,
             )
-        if not on_cuda:
-            # The CPU kernels' tile parameters for this shape on this CPU: from
-            # the tuning cache, else measured now (seconds; logged once).
-            cpu_tuning.ensure_tuned(self.decode_shape)
-        # Speculative decoding's rows of 1 + k tokens take the tree path
-        # (vLLM raises the threshold to them) where rows of several tokens do.
-        tree_max_query_len = support.tree_max_query_len(self.decode_shape.group)
+        if on_cuda:
+            tree_max_query_len = support.tree_max_query_len(self.decode_shape.group)
+        else:
+            # The CPU kernels' tile parameters for this shape on this CPU, and
+            # the longest query worth stacking in the tree: from the tuning
+            # cache, else measured now (seconds; logged once).
+            tuning = cpu_tuning.ensure_tuned(self.decode_shape)
+            tree_max_query_len = tuning.tree_max_query_len(self.decode_shape.group)
+        # Requests with at most tree_max_query_len new tokens are "decodes" to
+        # vLLM's batch reordering and take the tree path. Speculative
+        # decoding's rows of 1 + k tokens take it too (vLLM raises the
+        # threshold to them) where the kernels take rows of several tokens.
         self._init_reorder_batch_threshold(tree_max_query_len,
                                            supports_spec_as_decode=support.tree_max_rows_per_kv_head > 1)
         self.tree_cache = PrefixTreeCache()

@@ -55,8 +55,9 @@ Grids:
             against our per-request chunkattn::paged_prefill and vLLM's
             kernel. The report names the most query rows per KV head (q x
             GQA group) up to which the tree path beats the per-request one
-            at every point: CPU.tree_max_rows_per_kv_head (kernels/support.py)
-            on this CPU
+            at every point, beside the reach the engine measured for each
+            shape at start (kernels/cpu_tuning.py), which decides the
+            "engine's path" column
 
 Timing: `--warmup` untimed calls of each implementation, then `--repeats`
 repetitions; each repetition runs every implementation once, in an order that
@@ -110,7 +111,6 @@ import torch.nn.functional as F
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.kernels import cpu_tuning, ops
-from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix import tree
@@ -740,18 +740,19 @@ def prefill_table(rows: list[dict]) -> str:
 
 def relay_table(rows: list[dict]) -> list[str]:
     """The relay grid's table, and the most query rows per KV head (q x GQA group) up to which
-    the tree path beat the per-request one at every point: what CPU.tree_max_rows_per_kv_head
-    should be on this CPU."""
+    the tree path beat the per-request one at every point, beside what the engine measured at
+    start for each shape (ShapeTuning.tree_max_rows_per_kv_head, kernels/cpu_tuning.py)."""
     lines = ["| dtype | heads | q | tree ms | per-request ms | vLLM ms | vLLM/tree | per-request/tree | engine's path | "
              "engine / better of vLLM and per-request | engine / vLLM | tree plan ms (per step) | tree/roofline | "
              "max|Δ| vLLM, per-request |", "|" + "---|" * 14]
     wins: dict[int, bool] = {}  # rows per KV head -> the tree path won at every such point
+    reach = {point_shape(r["p"]): r["tuning"] for r in rows}
     for r in rows:
         p, times, bound = r["p"], r["times"], r["roofline"]
         tree_ms, per_ms, vllm_ms = (statistics.median(times[k]) for k in ("ours", "ours per-request", "vLLM"))
         group = p.heads // p.kv_heads
         wins[p.new * group] = wins.get(p.new * group, True) and tree_ms <= per_ms
-        on_tree = p.new <= CPU.tree_max_query_len(group)
+        on_tree = p.new <= r["tuning"].tree_max_query_len(group)
         engine_ms = tree_ms if on_tree else per_ms
         heads = f"{p.heads}" + (f" / {p.kv_heads} KV" if p.kv_heads != p.heads else "")
         lines.append(f"| {p.dtype} | {heads} | {p.new} | {time_cell(times['ours'])} | "
@@ -768,8 +769,10 @@ def relay_table(rows: list[dict]) -> list[str]:
     lines += ["", f"Tree path at least as fast as the per-request prefill at every point with at most {most} query "
               f"rows per KV head and request (q x GQA group; measured: "
               f"{', '.join(f'{n}: ' + ('yes' if ok else 'no') for n, ok in sorted(wins.items()))}). The engine "
-              f"sends a request to the tree path when q x group <= {CPU.tree_max_rows_per_kv_head} "
-              f"(kernels/support.py, CPU.tree_max_rows_per_kv_head); \"engine's path\" is that choice."]
+              f"sends a request to the tree path when q x group is at most what it measured at start for the "
+              f"layer shape (kernels/cpu_tuning.py, tree_max_rows_per_kv_head): "
+              f"{'; '.join(f'{shape.describe()}: {t.tree_max_rows_per_kv_head}' for shape, t in reach.items())}; "
+              f"\"engine's path\" is that choice."]
     return lines
 
 
@@ -1051,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[agreement.Disagreement] = []
     start = time.time()
     bandwidth_samples: list[machine.MachineRates] = []
-    tunings: dict[DecodeShape, cpu_tuning.CpuTuning] = {}
+    tunings: dict[DecodeShape, cpu_tuning.ShapeTuning] = {}
     for planned_point in planned:
         progress.point(planned_point.label())
         p = planned_point.point
@@ -1110,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, why in result.skipped.items():
             records.append(dict(base, impl=name, skipped=why))
         below += below_roofline(p.label(), result.times, bound)
-        row = dict(w=p, p=p, times=result.times, roofline=bound, diffs=result.diffs)
+        row = dict(w=p, p=p, times=result.times, roofline=bound, diffs=result.diffs, tuning=tunings[point_shape(p)])
         if isinstance(p, PrefillPoint):
             (relay_rows if p.shared else prefill_rows).append(row)
         else:
@@ -1120,7 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shown = [i for i in IMPLS if i in impls]
     sections = report_header(args, env, machine_record, rates, bandwidth_samples, failures, below, others)
-    sections += ["", f"Tile parameters of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
+    sections += ["", f"Tile parameters and tree reach of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
                  f"{cpu_tuning.ENV_VAR}={cpu_tuning.mode()}): "
                  + "; ".join(f"{shape.describe()}: {t.describe()}" for shape, t in tunings.items())]
     for (grid, dtype), rows in rows_by_table.items():

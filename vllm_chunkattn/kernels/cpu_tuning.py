@@ -1,4 +1,4 @@
-"""Tile parameters of the CPU kernels, measured on the CPU they run on.
+"""Tile parameters of the CPU kernels and the tree path's reach, measured on the CPU they run on.
 
 The fastest tile sizes depend on the CPU: how much fits its L1 and L2, how
 many loads it issues per cycle, how far ahead its memory must be asked for.
@@ -9,16 +9,27 @@ constants (csrc/cpu/kernels.h, `CpuTuning`):
   lanes_tile_keys     keys per matrix-matrix tile (shared decode, prefill)
   prefetch_distance   KV tiles prefetched ahead by the per-request decode tile
 
+Nor is the point where a request with several new tokens stops gaining from
+the prefix-tree path (its rows stacked with the other requests' over their
+shared chunks) and is better served by the per-request prefill: the kernel
+benchmark's relay grid put it at 16 query rows per KV head on a Zen 5 and at
+8 on a Zen 4 (rows: new tokens x GQA group). So it is measured too, as
+`ShapeTuning.tree_max_rows_per_kv_head`: the tree path and the per-request
+prefill timed on the same synthetic batch (`TREE_REQUESTS` requests behind
+`TREE_SHARED_TOKENS` shared tokens) for doubling query lengths, up to the
+last one where the tree path is at least as fast.
+
 `ensure_tuned(shape)` runs once per process and layer shape, at engine start
-(the metadata builder calls it). It reads the parameters from a cache file
+(the metadata builder calls it). It reads the values from a cache file
 keyed by the CPU (`cpu_info.cpu_description()`), the kernel build (a hash of
 the compiled library) and the shape; without one, it measures: coordinate
 descent over `CANDIDATES`, each parameter timed on the synthetic workloads it
 affects (`WORKLOADS`), candidates interleaved in rotating order, a change kept
-only if it beats the current value by `MIN_GAIN`. That takes a few seconds;
+only if it beats the current value by `MIN_GAIN`; then, with those tiles, the
+tree path's reach. That takes a few seconds;
 the result goes to the cache file and into the kernels, and is logged once.
 A cache file that cannot be read or does not match is measured again; the
-parameters change speed only, never results.
+values change speed only, never results.
 
 `CHUNKATTN_CPU_TUNING=default` skips all of this and runs the built-in values.
 """
@@ -39,6 +50,7 @@ import torch
 
 from vllm_chunkattn import _C
 from vllm_chunkattn.kernels.cpu_info import cpu_description
+from vllm_chunkattn.kernels.support import CPU, tree_max_query_len
 from vllm_chunkattn.prefix.plan import DecodeShape
 
 logger = logging.getLogger("vllm.chunkattn.kernels")  # in vLLM's hierarchy, see plugin.py
@@ -63,7 +75,15 @@ REPEATS = 5
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-CACHE_VERSION = 1
+# The tree path's reach is timed on TREE_REQUESTS requests with q new tokens
+# each after TREE_SHARED_TOKENS shared and TREE_PRIVATE_TOKENS private ones
+# (the kernel benchmark's relay grid, scaled down), q = 2, 4, 8, ... while
+# q x group <= TREE_MAX_ROWS_PER_KV_HEAD.
+TREE_REQUESTS = 16
+TREE_SHARED_TOKENS = 1024
+TREE_PRIVATE_TOKENS = 64
+TREE_MAX_ROWS_PER_KV_HEAD = 64
+CACHE_VERSION = 2
 
 
 _DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
@@ -81,6 +101,26 @@ class CpuTuning:
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeTuning:
+    """What a layer shape runs with on this CPU: the kernels' tile parameters, and which requests take
+    the prefix-tree path (those whose new tokens x GQA group are at most tree_max_rows_per_kv_head)."""
+
+    tiles: CpuTuning
+    tree_max_rows_per_kv_head: int
+
+    def tree_max_query_len(self, group: int) -> int:
+        return tree_max_query_len(self.tree_max_rows_per_kv_head, group)
+
+    def describe(self) -> str:
+        return f"{self.tiles.describe()}, tree_max_rows_per_kv_head={self.tree_max_rows_per_kv_head}"
+
+
+def built_in() -> ShapeTuning:
+    """The values the kernels were written around (CHUNKATTN_CPU_TUNING=default)."""
+    return ShapeTuning(CpuTuning(), CPU.tree_max_rows_per_kv_head)
 
 
 def current() -> CpuTuning:
@@ -126,7 +166,7 @@ def cache_path(key: dict) -> Path:
     return cache_dir() / f"{digest}.json"
 
 
-def load(path: Path, key: dict) -> CpuTuning | None:
+def load(path: Path, key: dict) -> ShapeTuning | None:
     """The tuning cached at `path` for `key`, or None (with the reason logged) if it is missing or unusable."""
     if not path.exists():
         return None
@@ -137,9 +177,11 @@ def load(path: Path, key: dict) -> CpuTuning | None:
         fields = {f.name for f in dataclasses.fields(CpuTuning)}
         if set(record["tuning"]) != fields:
             raise ValueError(f"its parameters are {sorted(record['tuning'])}, not {sorted(fields)}")
-        tuning = CpuTuning(**record["tuning"])
-        limits = _C.cpu_tuning_limits()
-        for name, value in dataclasses.asdict(tuning).items():
+        tiles = CpuTuning(**record["tuning"])
+        limits = {**_C.cpu_tuning_limits(), "tree_max_rows_per_kv_head": (1, TREE_MAX_ROWS_PER_KV_HEAD)}
+        tuning = ShapeTuning(tiles, record["tree_max_rows_per_kv_head"])
+        for name, value in [*dataclasses.asdict(tiles).items(),
+                            ("tree_max_rows_per_kv_head", tuning.tree_max_rows_per_kv_head)]:
             lo, hi = limits[name]
             if not (isinstance(value, int) and lo <= value <= hi):
                 raise ValueError(f"{name}={value!r} is outside [{lo}, {hi}]")
@@ -149,10 +191,11 @@ def load(path: Path, key: dict) -> CpuTuning | None:
         return None
 
 
-def save(path: Path, key: dict, tuning: CpuTuning, measured: dict, seconds: float) -> None:
+def save(path: Path, key: dict, tuning: ShapeTuning, measured: dict, seconds: float) -> None:
     """Writes the record atomically (a reader never sees half a file); a read-only cache only costs a warning."""
-    record = {"key": key, "tuning": dataclasses.asdict(tuning), "measured": measured, "seconds": round(seconds, 2),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record = {"key": key, "tuning": dataclasses.asdict(tuning.tiles),
+              "tree_max_rows_per_kv_head": tuning.tree_max_rows_per_kv_head, "measured": measured,
+              "seconds": round(seconds, 2), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -172,6 +215,18 @@ def _random_cache(num_blocks: int, shape: DecodeShape, generator: torch.Generato
 
 def _blocks(n: int, block_size: int) -> int:
     return -(-n // block_size)
+
+
+def _shared_prefix_batch(shape: DecodeShape, batch: int, shared: int, context: int,
+                         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random cache, block table and seq_lens of `batch` requests of `context` tokens whose first
+    `shared` tokens (whole blocks) are the same blocks."""
+    bs = shape.block_size
+    shared_blocks, private_blocks = shared // bs, _blocks(context - shared, bs)
+    cache = _random_cache(shared_blocks + batch * private_blocks, shape, generator)
+    private = shared_blocks + torch.arange(batch * private_blocks, dtype=torch.int32).reshape(batch, -1)
+    table = torch.cat([torch.arange(shared_blocks, dtype=torch.int32).expand(batch, -1), private], dim=1)
+    return cache, table, torch.full((batch,), context, dtype=torch.int32)
 
 
 def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
@@ -199,11 +254,7 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
     calls["prefill"] = lambda: ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, out)
 
     def decode(batch: int, shared: int, context: int) -> Callable[[], None]:
-        shared_blocks, private_blocks = shared // bs, _blocks(context - shared, bs)
-        kv = _random_cache(shared_blocks + batch * private_blocks, shape, gen)
-        private = shared_blocks + torch.arange(batch * private_blocks, dtype=torch.int32).reshape(batch, -1)
-        table = torch.cat([torch.arange(shared_blocks, dtype=torch.int32).expand(batch, -1), private], dim=1)
-        lens = torch.full((batch,), context, dtype=torch.int32)
+        kv, table, lens = _shared_prefix_batch(shape, batch, shared, context, gen)
         q = torch.empty(batch, heads, d, dtype=shape.dtype).uniform_(-1.0, 1.0, generator=gen)
         o = torch.empty_like(q)
         plan = ops.plan_tpp_decode(shape, table, lens, PrefixTreeCache().get(table, lens, bs))
@@ -218,31 +269,90 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
     return calls
 
 
+def tree_paths(shape: DecodeShape, query_len: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """The engine's two ways to attend TREE_REQUESTS requests with `query_len` new tokens each behind a
+    shared prefix, on the same inputs: "tree" (every query token a row of tpp_decode over the rows' prefix
+    tree, as the builder plans it) and "per_request" (paged_prefill). Each call returns its output."""
+    from vllm_chunkattn.kernels import ops
+    from vllm_chunkattn.prefix.query_rows import expand_query_rows
+    from vllm_chunkattn.prefix.tree import prefix_tree
+
+    gen = torch.Generator().manual_seed(1)
+    bs, reqs = shape.block_size, TREE_REQUESTS
+    shared = _blocks(TREE_SHARED_TOKENS, bs) * bs
+    cache, table, lens = _shared_prefix_batch(shape, reqs, shared, shared + TREE_PRIVATE_TOKENS + query_len, gen)
+    query_lens = torch.full((reqs,), query_len, dtype=torch.int32)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32) * query_len
+    query = torch.empty(reqs * query_len, shape.num_heads, shape.head_size, dtype=shape.dtype)
+    query.uniform_(-1.0, 1.0, generator=gen)
+    tree_out, per_request_out = torch.empty_like(query), torch.empty_like(query)
+    scale = shape.head_size**-0.5
+    rows = expand_query_rows(table, lens, query_lens)
+    plan = ops.plan_tpp_decode(shape, rows.block_table, rows.seq_lens,
+                               prefix_tree(rows.block_table, rows.unmasked_lens, bs))
+    return {"tree": lambda: ops.tpp_decode(query, cache, plan, scale, tree_out),
+            "per_request": lambda: ops.paged_prefill(query, cache, qsl, lens, table, scale, per_request_out)}
+
+
+def _timed(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _interleaved_medians(options: list, run: Callable[[object], list[float]]) -> dict[object, list[float]]:
+    """Per option, the median over REPEATS runs of each time `run(option)` returns. The options run
+    interleaved, in an order rotated by one per repetition, after a first pass that warms up."""
+    times: dict[object, list[list[float]]] = {o: [] for o in options}
+    for rep in range(REPEATS + 1):
+        first = rep % len(options)
+        for option in options[first:] + options[:first]:
+            measured = run(option)
+            if rep:
+                times[option].append(measured)
+    return {o: [sorted(column)[len(column) // 2] for column in zip(*times[o])] for o in options}
+
+
 def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
                      calls: list[Callable[[], None]]) -> dict[int, float]:
     """Per candidate value of `name`: the sum over `calls` of each call's median time relative to the
-    first candidate's. Candidates run interleaved, in an order rotated by one per repetition."""
-    times: dict[int, list[list[float]]] = {c: [[] for _ in calls] for c in candidates}
-    for rep in range(REPEATS + 1):  # the first pass warms up
-        order = candidates[rep % len(candidates):] + candidates[:rep % len(candidates)]
-        for value in order:
-            dataclasses.replace(base, **{name: value}).apply()
-            for i, call in enumerate(calls):
-                start = time.perf_counter()
-                call()
-                if rep:
-                    times[value][i].append(time.perf_counter() - start)
+    first candidate's."""
 
-    def median(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2]
+    def run(value: int) -> list[float]:
+        dataclasses.replace(base, **{name: value}).apply()
+        return [_timed(call) for call in calls]
 
-    first = candidates[0]
-    return {c: sum(median(times[c][i]) / median(times[first][i]) for i in range(len(calls))) for c in candidates}
+    medians = _interleaved_medians(list(candidates), run)
+    first = medians[candidates[0]]
+    return {c: sum(t / t0 for t, t0 in zip(medians[c], first)) for c in candidates}
 
 
-def measure(shape: DecodeShape) -> tuple[CpuTuning, dict]:
-    """Coordinate descent from the defaults (module docstring). Returns the tuning and, per parameter,
-    each candidate's relative time."""
+def tree_gain(shape: DecodeShape, query_len: int) -> float:
+    """The per-request prefill's time over the tree path's on tree_paths(shape, query_len)."""
+    paths = tree_paths(shape, query_len)
+    medians = _interleaved_medians(list(paths), lambda path: [_timed(paths[path])])
+    return medians["per_request"][0] / medians["tree"][0]
+
+
+def measure_tree_reach(shape: DecodeShape) -> tuple[int, dict[str, float]]:
+    """The most query rows per KV head (q x group for q = 1, 2, 4, ...) up to which the tree path was at
+    least as fast as the per-request prefill at every q, with the tiles applied now; and, per q x group
+    timed, the per-request time over the tree path's."""
+    reach, measured = shape.group, {}
+    query_len = 2
+    while query_len * shape.group <= TREE_MAX_ROWS_PER_KV_HEAD:
+        gain = tree_gain(shape, query_len)
+        measured[str(query_len * shape.group)] = round(gain, 4)
+        if gain < 1.0:
+            break
+        reach = query_len * shape.group
+        query_len *= 2
+    return reach, measured
+
+
+def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
+    """Coordinate descent from the default tiles, then the tree path's reach with the tiles chosen
+    (module docstring). Returns the tuning and, per parameter, each candidate's relative time."""
     calls = workloads(shape)
     best = CpuTuning()
     measured: dict[str, dict[str, float]] = {}
@@ -256,27 +366,28 @@ def measure(shape: DecodeShape) -> tuple[CpuTuning, dict]:
                 best = dataclasses.replace(best, **{name: winner})
     finally:
         best.apply()
-    return best, measured
+    reach, measured["tree_max_rows_per_kv_head"] = measure_tree_reach(shape)
+    return ShapeTuning(best, reach), measured
 
 
 # ---------------------------------------------------------------- entry point
 
-_tuned: dict[str, CpuTuning] = {}
+_tuned: dict[str, ShapeTuning] = {}
 
 
-def ensure_tuned(shape: DecodeShape) -> CpuTuning:
-    """The tuning for `shape` on this CPU, applied to the kernels: from the cache, else measured
-    (and cached). Once per process and shape; logged once."""
+def ensure_tuned(shape: DecodeShape) -> ShapeTuning:
+    """The tuning for `shape` on this CPU, its tiles applied to the kernels: from the cache, else
+    measured (and cached). Once per process and shape; logged once."""
     if mode() == "default":
-        tuning = CpuTuning()
-        tuning.apply()
-        _log_once(f"chunkattn CPU kernels: built-in tile parameters ({ENV_VAR}=default): {tuning.describe()}.")
+        tuning = built_in()
+        tuning.tiles.apply()
+        _log_once(f"chunkattn CPU kernels: built-in values ({ENV_VAR}=default): {tuning.describe()}.")
         return tuning
     key = tuning_key(shape)
     path = cache_path(key)
     if str(path) in _tuned:
         tuning = _tuned[str(path)]
-        tuning.apply()
+        tuning.tiles.apply()
         return tuning
     tuning = load(path, key)
     if tuning is not None:
@@ -287,7 +398,7 @@ def ensure_tuned(shape: DecodeShape) -> CpuTuning:
         seconds = time.perf_counter() - start
         save(path, key, tuning, measured, seconds)
         how = f"measured in {seconds:.1f} s, cached at {path}"
-    tuning.apply()
+    tuning.tiles.apply()
     _tuned[str(path)] = tuning
     cpu = key["cpu"]
     _log_once(f"chunkattn CPU kernels on {cpu['cpu_model_name']} (family {cpu['cpu_family']} model "

@@ -26,14 +26,21 @@ class PlatformSupport:
     # most this; the others run the paged prefill. Stacking a shared chunk's
     # rows pays while each request brings few; with many, the prefill's own
     # query tiles already reuse each key and the tree path only adds partial
-    # results (measured: `python -m vllm_chunkattn.bench.kernel --grid relay`).
+    # results (`python -m vllm_chunkattn.bench.kernel --grid relay`). The
+    # crossover is the CPU's: the engine measures it at start per layer shape
+    # (kernels/cpu_tuning.py) and uses this value only with
+    # CHUNKATTN_CPU_TUNING=default. 1: one-token rows only.
     tree_max_rows_per_kv_head: int
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
     min_compute_capability: tuple[int, int] | None = None
 
     def tree_max_query_len(self, group: int) -> int:
-        """The longest query of a request on the tree path, for GQA group `group` (decodes always)."""
-        return max(1, self.tree_max_rows_per_kv_head // group)
+        return tree_max_query_len(self.tree_max_rows_per_kv_head, group)
+
+
+def tree_max_query_len(max_rows_per_kv_head: int, group: int) -> int:
+    """The longest query of a request on the tree path, for GQA group `group` (decodes always)."""
+    return max(1, max_rows_per_kv_head // group)
 
 
 CPU = PlatformSupport(

@@ -37,7 +37,9 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
     # engine settings of their own: the burst needs its whole prompt cached.
     if num_blocks and workload not in WORKLOAD_ENGINE_SETTINGS:
         cmd += ["--num-blocks", str(num_blocks)]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG"}
+    # Built-in CPU tuning: the tests assert which rows took the tree path, and
+    # the reach the engine would measure (kernels/cpu_tuning.py) is the CPU's.
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", "CHUNKATTN_CPU_TUNING": "default"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     log = done.stdout + done.stderr
