@@ -16,13 +16,14 @@
 // [tokens*G, D] query matrix attended, flash attention style, against the
 // request's chunks up to the tile's last position (attend_lanes:
 // matrix-matrix register tiles, online softmax, the causal mask only on
-// chunks that cross the diagonal). Items are handed out on
-// torch's intra-op pool, costliest (longest context) requests first, the tiles
-// of one (request, kv head) one after the other so its context is read from
-// DRAM about once, and one head of every request before the next head when
-// requests share cached blocks, so a shared prefix is too. A thread claims its next item before running the current
-// one and prefetches that item's query rows; a tile skips the keys past the
-// causal limit of each of its lane vectors.
+// chunks that cross the diagonal). Items are handed out on torch's intra-op
+// pool, costliest (longest context) requests first, the tiles of one
+// (request, kv head) one after the other so its context is read from DRAM
+// about once, and, when requests share cached blocks, one head of every
+// request before the next head, so that a shared prefix is too. A thread
+// claims its next item before running the current one and prefetches that
+// item's query rows; a tile skips the keys past the causal limit of each of
+// its lane vectors.
 #include <ATen/Dispatch.h>
 
 #include <unordered_set>
