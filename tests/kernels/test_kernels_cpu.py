@@ -511,7 +511,6 @@ def test_paged_prefill_int64_metadata_and_long_prompt(isa):
                   query, 0, ref, torch.float32, "paged_prefill")
 
 
-
 @pytest.mark.parametrize("isa", ISAS)
 def test_paged_prefill_burst_behind_a_shared_prefix(isa):
     """Requests whose cached context starts with the same blocks (the driver then walks one KV head of every
@@ -530,6 +529,7 @@ def test_paged_prefill_burst_behind_a_shared_prefix(isa):
     ref = _prefill_reference(case)
     assert_on_isa(isa, lambda out: ops.paged_prefill(query, kv, qsl, lens, table, case["scale"], out),
                   query, 0, ref, torch.float32, "paged_prefill")
+
 
 # ---------------------------------------------------------------------------
 # KV write

@@ -44,7 +44,9 @@ PREFILLS = [Req([1, 6], 50, 20), Req([7, 8], 64, 64)]
 def built_in_cpu_tuning(monkeypatch):
     """The built-in tree reach (CPU.tree_max_rows_per_kv_head) rather than the one this CPU measures: the
     tests say which requests take the tree path."""
-    monkeypatch.setenv("CHUNKATTN_CPU_TUNING", "default")
+    from vllm_chunkattn.kernels import cpu_tuning
+
+    monkeypatch.setenv(cpu_tuning.ENV_VAR, "default")
 
 
 def make_builder() -> ChunkAttentionMetadataBuilder:

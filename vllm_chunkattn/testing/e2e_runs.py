@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from vllm_chunkattn.backend.stats import parse_run_summaries, parse_step_trees
+from vllm_chunkattn.kernels import cpu_tuning
 from vllm_chunkattn.testing.workload import WORKLOAD_ENGINE_SETTINGS
 
 # name: (model, dtype, block size, KV blocks or None, logprob tolerance, near-tie threshold)
@@ -39,7 +40,7 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
         cmd += ["--num-blocks", str(num_blocks)]
     # Built-in CPU tuning: the tests assert which rows took the tree path, and
     # the reach the engine would measure (kernels/cpu_tuning.py) is the CPU's.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", "CHUNKATTN_CPU_TUNING": "default"}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", cpu_tuning.ENV_VAR: "default"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     log = done.stdout + done.stderr
