@@ -56,19 +56,28 @@ def _register_kv_connector() -> None:
 
 def _warn_if_cpu_platform_unpatched() -> None:
     # Unpatched, vLLM's CPU platform silently falls back to CPU_ATTN when
-    # `chunk` is selected; say so loudly instead of letting it pass.
+    # `chunk` is selected, and a seeded request kills the engine on its first
+    # chunked prefill step; say so loudly instead of letting it pass.
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
-    import vllm.platforms.cpu as cpu_platform
+    import importlib.util
 
-    # A string check, not `patch --dry-run`: this runs in every vLLM process.
-    with open(cpu_platform.__file__) as f:
-        patched = "selected_backend.is_overridden()" in f.read()
-    if not patched:
+    # String checks on the sources, not `patch --dry-run` nor an import of the
+    # (heavy) model runner: this runs in every vLLM process.
+    marks = {"vllm.platforms.cpu": "selected_backend.is_overridden()",
+             "vllm.v1.worker.gpu_model_runner": "_discarded_cpu_generator_states"}
+    unpatched = []
+    for module, mark in marks.items():
+        path = importlib.util.find_spec(module).origin
+        with open(path) as f:
+            if mark not in f.read():
+                unpatched.append(module)
+    if unpatched:
         logger.warning(
-            "vllm-chunkattn: the installed vLLM is not patched, so on CPU "
-            "`--attention-backend chunk` would fall back to CPU_ATTN. Run "
-            "`python -m vllm_chunkattn.install.patching apply` once in this environment."
+            "vllm-chunkattn: the installed vLLM is not patched (%s), so on CPU "
+            "`--attention-backend chunk` may fall back to CPU_ATTN and seeded requests "
+            "may stop the engine. Run `python -m vllm_chunkattn.install.patching apply` "
+            "once in this environment.", ", ".join(unpatched)
         )

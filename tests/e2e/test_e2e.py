@@ -183,3 +183,18 @@ def test_parallel_samples_share_their_prompt_as_one_node(runs):
     assert spans == {(0, 5), (0, 6)}
     for chunks in (5, 6):  # all four samples together under one node, for both prompts
         assert any(step.requests == 4 and step.nodes[0].chunk_end == chunks for step in steps)
+
+
+def test_seeded_samples_do_not_depend_on_prefill_chunking(runs):
+    """The parallel-sampling workload with its prompts prefilled 64 tokens a
+    step: each partial step samples a token for the seeded requests that vLLM
+    discards. Stock vLLM 0.32 on CPU died there ('CPU Generator does not use
+    offset': it rewinds a CUDA generator's offset); patched (patches/0003), the
+    generator's state is restored, so the samples are the ones drawn when the
+    prompts are prefilled whole."""
+    name = "float32-gqa-d64-block32-preempt"
+    whole = runs(name, "stock", workload="parallel-sampling")
+    chunked = runs(name, "chunk", workload="parallel-sampling-chunked")
+    assert chunked["settings"]["max_num_batched_tokens"] == 64
+    assert all(r["prompt_tokens"] > 64 for r in chunked["results"])  # every prompt took partial steps
+    assert [r["tokens"] for r in chunked["results"]] == [r["tokens"] for r in whole["results"]]

@@ -51,3 +51,33 @@ def test_vllm_command_starts():
     done = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert PINNED in done.stdout
+
+
+@pytest.mark.parametrize("module", ["vllm.platforms.cpu", "vllm.v1.worker.gpu_model_runner"])
+def test_plugin_warns_when_a_patch_is_missing(module, tmp_path, monkeypatch, caplog):
+    import importlib.util
+    import logging
+
+    from vllm_chunkattn import plugin
+
+    find_spec = importlib.util.find_spec
+    assert "not patched" not in _warnings_of(plugin, caplog)  # the installed vLLM is patched
+    unpatched = tmp_path / "source.py"
+    unpatched.write_text("# the pristine source has neither patch's code\n")
+
+    def fake_find_spec(name, *args):
+        spec = find_spec(name, *args)
+        if name == module:
+            spec = importlib.util.spec_from_file_location(name, unpatched)
+        return spec
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+    with caplog.at_level(logging.WARNING):
+        message = _warnings_of(plugin, caplog)
+    assert "not patched" in message and module in message and "patching apply" in message
+
+
+def _warnings_of(plugin, caplog) -> str:
+    caplog.clear()
+    plugin._warn_if_cpu_platform_unpatched()
+    return caplog.text

@@ -273,13 +273,16 @@ WORKLOADS = {
     "burst": (burst_workload, None),
     "speculative": (shared_prefix_workload, None),
     "parallel-sampling": (parallel_sampling_workload, None),
+    "parallel-sampling-chunked": (parallel_sampling_workload, None),
 }
 # Engine settings a workload needs unless given: the burst arrives in one step;
 # "speculative" is the shared-prefix workload under n-gram speculative decoding;
-# the n samples of one prompt run together, apart from the other prompt's.
+# the n samples of one prompt run together, apart from the other prompt's; "chunked", their prompts
+# are prefilled 64 tokens a step, so seeded requests sample tokens that vLLM discards.
 WORKLOAD_ENGINE_SETTINGS = {"burst": {"max_num_seqs": 32, "max_num_batched_tokens": 2048},
                             "speculative": {"speculative_tokens": 3},
                             "parallel-sampling": {"max_num_seqs": 4},
+                            "parallel-sampling-chunked": {"max_num_seqs": 4, "max_num_batched_tokens": 64},
                             # 24 blocks of 32 tokens in vLLM's cache and a host tier of 32 blocks of the tiny
                             # model (64 KiB each): both hold fewer than the conversations' 36 full blocks.
                             "conversations": {"num_blocks": 24, "pensieve_host_gib": 32 * 64 / 2**20}}
