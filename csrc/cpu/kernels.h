@@ -13,6 +13,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -48,9 +49,34 @@ struct AttnJob {
   // The softmax scale q was multiplied by. Tiles that round q to bf16 divide
   // it out first, which gives back a bf16 model's query exactly.
   float q_scale = 1.f;
+  // Optional sliding-window start: key k is masked for row r when k < q_lo[r].
+  // The drivers drop the chunks no row sees first (trim_to_window), so the
+  // tiles only mask within the first chunks.
+  const float* q_lo = nullptr;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);
+
+// Sliding window: row r sees keys from first_key[r] on (relative to the job's
+// key 0; 0 or less: all). Drops the job's leading whole chunks that no row
+// sees, shifting first_key and q_pos (the job's causal limits, if any: the
+// same array as job.q_pos) with them, and points job.q_lo at first_key when a
+// row still masks keys. Returns false when no key is left.
+inline bool trim_to_window(AttnJob& job, float* first_key, float* q_pos, int block_size) {
+  float lowest = first_key[0], highest = first_key[0];
+  for (int r = 1; r < job.rows; ++r) lowest = std::min(lowest, first_key[r]), highest = std::max(highest, first_key[r]);
+  const int skip = std::max(0, static_cast<int>(lowest)) / block_size;
+  if (skip * block_size >= job.num_keys) return false;
+  const float shift = static_cast<float>(skip * block_size);
+  job.blocks += skip;
+  job.num_keys -= skip * block_size;
+  for (int r = 0; r < job.rows; ++r) {
+    first_key[r] -= shift;
+    if (q_pos) q_pos[r] -= shift;
+  }
+  if (highest > shift) job.q_lo = first_key;
+  return true;
+}
 
 struct KernelTable {
   const char* isa;

@@ -242,7 +242,7 @@ struct DecodePlanView {
 template <typename qscalar_t>
 void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                      const torch::Tensor& block_table, const torch::Tensor& seq_lens, const TreeContextView& ctx,
-                     const DecodePlanView& plan, float scale) {
+                     const DecodePlanView& plan, float scale, int64_t window) {
   const int64_t batch = query.size(0), num_heads = query.size(1), D = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -308,6 +308,22 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
                 part_o + partial_row(h0) * D, part_m + partial_row(h0), part_n + partial_row(h0)};
     job.q_scale = scale;
     job.num_heads = nh;
+    if (window > 0) {  // row t sees keys from lens - window on, relative to the split's first key
+      float* first_key = scr.get(3, M);
+      for (int32_t t = 0; t < rows; ++t)
+        std::fill_n(first_key + t * group, group,
+                    static_cast<float>(lens[ord[nb[k] + t]] - window - static_cast<int64_t>(c0) * block_size));
+      if (!cpu::trim_to_window(job, first_key, nullptr, static_cast<int>(block_size))) {
+        for (int32_t hh = 0; hh < nh; ++hh) {
+          const int64_t row0 = partial_row(h0 + hh);
+          std::fill_n(part_o + row0 * D, M * D, 0.f);
+          std::fill_n(part_m + row0, M, -std::numeric_limits<float>::infinity());
+          std::fill_n(part_n + row0, M, 0.f);
+        }
+        pending[k].fetch_sub(1, std::memory_order_release);
+        return;
+      }
+    }
     if (nh > 1) {  // the tiles write [nh, M] rows into scratch; each head's partials are part_rows apart
       float* mn = scr.get(2, 2 * nh * M);
       job.o = scr.get(1, nh * M * D), job.m = mn, job.n = mn + nh * M;
@@ -344,9 +360,15 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       cpu::load_scaled(q_data + b * q_s0 + (h0 * group + r) * q_s1, D, scale, q + r * D);
     const int64_t shared = static_cast<int64_t>(shc[b]) * block_size;
     const int num_private = static_cast<int>(lens[b] - shared);
-    if (num_private > 0) {
-      AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
-                  static_cast<int>(nh), scale};
+    AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
+                static_cast<int>(nh), scale};
+    bool any_key = num_private > 0;
+    if (any_key && window > 0) {
+      float* first_key = scr.get(3, group);
+      std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
+      any_key = cpu::trim_to_window(job, first_key, nullptr, static_cast<int>(block_size));
+    }
+    if (any_key) {
       (seq_direct ? kern.direct : kern.lanes)(kv, job);
     } else {
       std::fill(o, o + rows * D, 0.f);
@@ -442,7 +464,7 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                 const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
                 const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
                 const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
-                const torch::Tensor& plan_row_order, double scale) {
+                const torch::Tensor& plan_row_order, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
               "chunkattn: query and out must be [batch, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
@@ -488,8 +510,10 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                                            node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
   const DecodePlanView plan{h, plan_items.data_ptr<int32_t>(), plan_node_work.data_ptr<int32_t>(),
                             plan_partial_work.data_ptr<int32_t>(), plan_row_order.data_ptr<int32_t>()};
+  TORCH_CHECK(sliding_window >= 0, "chunkattn: sliding_window must be >= 0 (0: none), got ", sliding_window);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {
-    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, static_cast<float>(scale));
+    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, static_cast<float>(scale),
+                              sliding_window);
   });
 }
 

@@ -54,7 +54,7 @@ def test_cuda_supported_configurations():
         ({"block_size": 256}, "block size 256 (supported: 16, 32, 64, 128)"),
         ({"head_size": 96}, "head size 96 (supported: 64, 128, 256)"),
         ({"device_capability": DeviceCapability(7, 5)}, "compute capability 7.5 (supported: 8.0 and newer"),
-        ({"has_sliding_window": True}, "sliding-window attention"),
+        ({"has_sliding_window": True}, "sliding-window attention on CUDA (supported: on CPU)"),
         ({"use_batch_invariant": True}, "batch-invariant mode"),
     ],
 )

@@ -198,3 +198,39 @@ def test_seeded_samples_do_not_depend_on_prefill_chunking(runs):
     assert chunked["settings"]["max_num_batched_tokens"] == 64
     assert all(r["prompt_tokens"] > 64 for r in chunked["results"])  # every prompt took partial steps
     assert [r["tokens"] for r in chunked["results"]] == [r["tokens"] for r in whole["results"]]
+
+
+def test_sliding_window_layers_match_stock(runs, tmp_path_factory):
+    """A model with an 80-token window on its first layer and global attention
+    on its second (Gemma 2's and gpt-oss's interleaving): vLLM gives each its
+    own KV cache group, so two metadata builders, both sharing. Identical tokens
+    and logprobs within 1e-3 against stock; and the window matters to these
+    prompts: the same weights without it give other logprobs."""
+    import json
+    import shutil
+
+    from vllm_chunkattn.testing.e2e_runs import VARIANT_CONFIGS, run_workload
+    from vllm_chunkattn.testing.models import ATTENTION_VARIANTS, ensure_model
+
+    name = "float32-window80-block32"
+    model, *_, logprob_atol, near_tie = VARIANT_CONFIGS[name]
+    window = ATTENTION_VARIANTS[model]["sliding_window"]
+    stock, chunk = runs(name, "stock"), runs(name, "chunk")
+    assert "Using CHUNK backend" in chunk["log"]
+    report = compare_runs(stock, chunk, logprob_atol, near_tie)
+    assert not report["problems"], "\n".join(report["problems"][:20])
+    assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
+    assert stock["chat"] == chunk["chat"]
+    assert max(r["prompt_tokens"] for r in chunk["results"]) > 4 * window
+    summaries = chunk["decode_summaries"]
+    assert len(summaries) == 2, chunk["log"][-3000:]  # the windowed layer's group and the global one's
+    assert all(s.mean_nodes > 0 for s in summaries), summaries
+
+    unwindowed_dir = tmp_path_factory.mktemp("no-window") / "model"
+    shutil.copytree(ensure_model(model), unwindowed_dir)
+    config = json.loads((unwindowed_dir / "config.json").read_text())
+    for key in ATTENTION_VARIANTS[model]:
+        del config[key]
+    (unwindowed_dir / "config.json").write_text(json.dumps(config))
+    unwindowed = run_workload(tmp_path_factory, name, "chunk", extra_args=("--model", str(unwindowed_dir)))
+    assert compare_runs(chunk, unwindowed, logprob_atol, near_tie)["problems"]

@@ -210,15 +210,46 @@ def decode_cases(draw, max_batch: int = 64, dtypes=tuple(DTYPES), head_sizes=tup
     batch, num_heads = len(lens), group * num_kv_heads
     pad = draw(st.sampled_from([0, 16]))  # strided query rows / output rows
     query = (temperature * torch.randn(batch, num_heads, head_size + pad, generator=gen)).to(dtype)[..., :head_size]
+    # Sliding window (0: none): one key, either side of a chunk, or anywhere up to the longest context.
+    window = draw(st.one_of(st.just(0), st.sampled_from([1, block_size - 1, block_size, block_size + 1]),
+                            st.integers(1, max(lens) + 1)))
     return dict(query=query, kv_cache=kv_cache, block_table=table, seq_lens=seq_lens, pad=pad,
-                scale=1.0 / math.sqrt(head_size), dtype=dtype)
+                scale=1.0 / math.sqrt(head_size), dtype=dtype, sliding_window=window)
+
+
+def poison_unseen_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, readers) -> torch.Tensor:
+    """A copy of the cache with NaN in every block that lies wholly before the
+    sliding window of each reader that has it: (block-table row, first key the
+    reader sees, keys it has). A kernel that reads such a block (rather than
+    skipping it) turns its output into NaN; the masked keys of a block it must
+    read are finite, so those only have to be masked."""
+    block_size = kv_cache.shape[2]
+    seen: dict[int, bool] = {}
+    for row, first_key, num_keys in readers:
+        for col in range(-(-int(num_keys) // block_size)):
+            block = int(block_table[row, col])
+            seen[block] = seen.get(block, False) or (col + 1) * block_size > first_key
+    poisoned = kv_cache.clone()
+    for block, was_seen in seen.items():
+        if not was_seen:
+            poisoned[block] = float("nan")
+    return poisoned
+
+
+def _decode_cache(case) -> torch.Tensor:
+    """The case's cache as the kernels get it: with a window, unseen blocks poisoned."""
+    if not case["sliding_window"]:
+        return case["kv_cache"]
+    lens = case["seq_lens"].tolist()
+    return poison_unseen_blocks(case["kv_cache"], case["block_table"],
+                                [(b, n - case["sliding_window"], n) for b, n in enumerate(lens)])
 
 
 def _decode_reference(case):
     batch = case["query"].shape[0]
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     return reference.paged_attention(case["query"], case["kv_cache"], qsl, case["seq_lens"], case["block_table"],
-                                     case["scale"])
+                                     case["scale"], case["sliding_window"])
 
 
 def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
@@ -281,10 +312,11 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
     case = data.draw(decode_cases(dtypes=(dtype,), head_sizes=(head_size,)))
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     ref = _decode_reference(case)
-    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx),
-                                                  case["scale"], out),
-                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes}",
-                  data.draw(tunings()))
+    kv_cache = _decode_cache(case)
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], kv_cache, _plan(case, ctx), case["scale"], out,
+                                                  case["sliding_window"]),
+                  case["query"], case["pad"], ref, case["dtype"],
+                  f"tpp_decode nodes={ctx.num_nodes} window={case['sliding_window']}", data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -292,7 +324,7 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
 def test_torch_tpp_decode_matches_reference(case):
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
-                                   case["scale"])
+                                   case["scale"], sliding_window=case["sliding_window"])
     assert_close(out, _decode_reference(case), case["dtype"], "torch_fallback.tpp_decode")
 
 
@@ -305,7 +337,8 @@ def _one_big_node(batch, num_kv_heads, group, chunks, block_size=64, head_size=1
     kv = torch.randn(chunks + batch, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
     query = torch.randn(batch, num_kv_heads * group, head_size, generator=gen).to(dtype)
     lens = torch.full((batch,), chunks * block_size + tail, dtype=torch.int32)
-    return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype)
+    return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype,
+                sliding_window=0)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -339,6 +372,48 @@ def test_tpp_decode_all_context_shared(isa):
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
                                    case["scale"])
     assert_close(out, ref, case["dtype"], "torch_fallback.tpp_decode, no private token")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [1, 64, 100, 64 * 23 + 4])
+def test_tpp_decode_window_skips_the_chunks_no_row_sees(isa, window):
+    """One node of 24 shared chunks, then a private partial chunk per request,
+    with the chunks wholly before every window poisoned with NaN: a kernel
+    that read one would return NaN (as it does without the window)."""
+    case = _one_big_node(batch=6, num_kv_heads=2, group=4, chunks=24)
+    case["sliding_window"] = window
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    poisoned = _decode_cache(case)
+    assert torch.isnan(poisoned).any()
+    ref = _decode_reference(case)
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], poisoned, _plan(case, ctx), case["scale"], out,
+                                                  window),
+                  case["query"], 0, ref, case["dtype"], f"tpp_decode window={window}")
+    with _isa(isa):
+        unwindowed = ops.tpp_decode(case["query"], poisoned, _plan(case, ctx), case["scale"],
+                                    torch.empty_like(case["query"]))
+    assert torch.isnan(unwindowed).any()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_prefill_window_skips_the_chunks_no_token_sees(isa):
+    """A 700-token prompt of 22 chunks under a 100-token window: each query tile
+    reads only the chunks its tokens' windows reach (the rest are NaN here)."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, head_size, kv_heads, group, window = 32, 64, 2, 2, 100
+    num_cached, num_new = 500, 200
+    lens = torch.tensor([num_cached + num_new], dtype=torch.int32)
+    table = torch.arange(22, dtype=torch.int32).view(1, 22)
+    kv = torch.randn(22, kv_heads, block_size, 2 * head_size, generator=gen)
+    qsl = torch.tensor([0, num_new], dtype=torch.int32)
+    query = torch.randn(num_new, kv_heads * group, head_size, generator=gen)
+    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl,
+                scale=head_size**-0.5, sliding_window=window)
+    ref = _prefill_reference(case)
+    poisoned = poison_unseen_blocks(kv, table, [(0, num_cached - window + 1, num_cached + num_new)])
+    assert torch.isnan(poisoned).any()
+    assert_on_isa(isa, lambda out: ops.paged_prefill(query, poisoned, qsl, lens, table, case["scale"], out, window),
+                  query, 0, ref, torch.float32, "paged_prefill window")
 
 
 def test_tpp_decode_rejects_unsupported_head_size():
@@ -398,10 +473,15 @@ def test_tpp_decode_rows_of_any_length_match_reference(isa, dtype, data):
     case = data.draw(multi_row_cases(dtypes=(dtype,)))
     ctx = _rows_tree(case)
     ref = _prefill_reference(case)
-    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _rows_plan(case, ctx),
-                                                  case["scale"], out),
-                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode rows, nodes={ctx.num_nodes}",
-                  data.draw(tunings()))
+    rows = case["rows"]
+    kv_cache = case["kv_cache"]
+    if case["sliding_window"]:
+        kv_cache = poison_unseen_blocks(kv_cache, rows.block_table, [
+            (r, n - case["sliding_window"], n) for r, n in enumerate(rows.seq_lens.tolist())])
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], kv_cache, _rows_plan(case, ctx), case["scale"], out,
+                                                  case["sliding_window"]),
+                  case["query"], case["pad"], ref, case["dtype"],
+                  f"tpp_decode rows, nodes={ctx.num_nodes} window={case['sliding_window']}", data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -410,7 +490,7 @@ def test_torch_tpp_decode_rows_of_any_length_match_reference(case):
     ctx = _rows_tree(case)
     rows = case["rows"]
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], rows.block_table, rows.seq_lens, ctx,
-                                   case["scale"])
+                                   case["scale"], sliding_window=case["sliding_window"])
     assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.tpp_decode rows")
 
 
@@ -453,7 +533,7 @@ def prefill_cases(draw, dtypes=tuple(DTYPES), head_sizes=tuple(HEAD_SIZES)):
 
 def _prefill_reference(case):
     return reference.paged_attention(case["query"], case["kv_cache"], case["query_start_loc"], case["seq_lens"],
-                                     case["block_table"], case["scale"])
+                                     case["block_table"], case["scale"], case.get("sliding_window", 0))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -464,9 +544,16 @@ def _prefill_reference(case):
 def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
     case = data.draw(prefill_cases(dtypes=(dtype,), head_sizes=(head_size,)))
     ref = _prefill_reference(case)
-    assert_on_isa(isa, lambda out: ops.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"],
-                                                     case["seq_lens"], case["block_table"], case["scale"], out),
-                  case["query"], case["pad"], ref, case["dtype"], "paged_prefill", data.draw(tunings()))
+    window, qsl, lens = case["sliding_window"], case["query_start_loc"].tolist(), case["seq_lens"].tolist()
+    kv_cache = case["kv_cache"]
+    if window:  # a request's first new token has the earliest window
+        kv_cache = poison_unseen_blocks(kv_cache, case["block_table"], [
+            (i, n - (qsl[i + 1] - qsl[i]) - window + 1, n) for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]])
+    assert_on_isa(isa, lambda out: ops.paged_prefill(case["query"], kv_cache, case["query_start_loc"],
+                                                     case["seq_lens"], case["block_table"], case["scale"], out,
+                                                     window),
+                  case["query"], case["pad"], ref, case["dtype"], f"paged_prefill window={window}",
+                  data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -474,7 +561,8 @@ def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
 def test_torch_paged_prefill_matches_reference(case):
     out = torch.zeros_like(case["query"])
     torch_fallback.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"].tolist(),
-                                case["seq_lens"].tolist(), case["block_table"], case["scale"], out)
+                                case["seq_lens"].tolist(), case["block_table"], case["scale"], out,
+                                case["sliding_window"])
     assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.paged_prefill")
 
 

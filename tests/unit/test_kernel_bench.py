@@ -280,3 +280,27 @@ def test_physically_shared_table_reads_the_first_owners_copy():
     for (r, c), s in np.ndenumerate(shared.numpy()):
         first.setdefault(s, private[r, c].item())
         assert star[r, c].item() == first[s]
+
+
+def test_a_sliding_window_hides_the_leading_tokens_from_the_roofline():
+    from vllm_chunkattn.bench.kernel import Workload, decode_flops, distinct_kv_bytes
+
+    def point(window: int) -> Workload:
+        return Workload("table3", 4, [(96, 4), (32, 1)], 128, 96, 0, 4, 64, 16, "fp32", window=window)
+
+    assert point(100).visible_segments() == [(68, 4), (32, 1)]  # 28 tokens lie before every window
+    assert point(20).visible_segments() == [(20, 1)]
+    assert point(128).visible_segments() == point(0).visible_segments() == [(96, 4), (32, 1)]
+    assert decode_flops(point(100)) * 128 == decode_flops(point(0)) * 100
+    assert distinct_kv_bytes(point(100)) * (96 + 4 * 32) == distinct_kv_bytes(point(0)) * (68 + 4 * 32)
+    assert "W=100" in point(100).label() and "W=" not in point(0).label()
+
+
+@pytest.mark.parametrize("argv", [["--grid", "prefill", "--sliding-window", "64"],
+                                  ["--sliding-window", "64"], ["--grid", "table3", "--sliding-window", "-1"]])
+def test_kernel_bench_refuses_a_window_it_would_not_apply(argv, capsys):
+    from vllm_chunkattn.bench import kernel
+
+    with pytest.raises(SystemExit):
+        kernel.main(argv)
+    assert "--sliding-window" in capsys.readouterr().err

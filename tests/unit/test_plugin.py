@@ -89,7 +89,6 @@ def test_supported_configuration_has_no_reasons():
         ({"dtype": torch.float64}, "dtype float64 (supported: float32, float16, bfloat16)"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 (supported: auto"),
         ({"use_mla": True}, "MLA (supported: causal decoder self-attention)"),
-        ({"has_sliding_window": True}, "sliding-window attention"),
         ({"has_sink": True}, "attention sinks"),
         ({"attn_type": "encoder_only"}, "attention type encoder_only (supported: decoder self-attention"),
         ({"attn_type": "encoder_decoder"}, "no encoder or cross attention"),
@@ -108,7 +107,6 @@ IMPL = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes
     "change, expected",
     [
         ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
-        ({"sliding_window": 256}, "sliding window (256)"),
         ({"logits_soft_cap": 30.0}, "logits soft-cap (30.0)"),
         ({"sinks": torch.zeros(8)}, "attention sinks"),
         ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder"),
@@ -120,6 +118,13 @@ def test_impl_refuses_unsupported_layers(change, expected):
     with pytest.raises(NotImplementedError, match="Supported: causal decoder") as err:
         ChunkAttentionImpl(**{**IMPL, **change})
     assert expected in str(err.value)
+
+
+def test_sliding_window_is_accepted_on_cpu():
+    assert ChunkAttentionBackend.supports_sliding_window()
+    assert ChunkAttentionBackend.validate_configuration(**{**BASE, "has_sliding_window": True}) == []
+    impl = ChunkAttentionImpl(**{**IMPL, "sliding_window": 256})
+    assert impl.sliding_window == 256 and ChunkAttentionImpl(**IMPL).sliding_window == 0
 
 
 def test_impl_accepts_gqa_and_mha():

@@ -112,6 +112,20 @@ def test_paper_figure_2_example():
     assert ctx.reused_tokens(block_size) == 3 * block_size * 2
 
 
+def test_reused_tokens_under_a_sliding_window():
+    """The figure 2 tree with a 10-token window: S0 (15 tokens) sees keys 5..14, from
+    chunk 1 on; S1 (19) from chunk 2; S2 (18) from chunk 2. Alone they would read
+    2 + 1 + 1 of the node's chunks; the node is read from chunk 1: 2 chunks, 2 saved."""
+    block_size = 4
+    table = torch.tensor([[0, 1, 2, 3, 0], [0, 1, 2, 4, 6], [0, 1, 2, 5, 7]], dtype=torch.int32)
+    seq_lens = torch.tensor([15, 19, 18], dtype=torch.int32)
+    ctx = prefix_tree(table, seq_lens, block_size)
+    assert ctx.reused_tokens(block_size, seq_lens, sliding_window=10) == 2 * block_size
+    # A window past every context changes nothing; one inside the last chunk saves nothing.
+    assert ctx.reused_tokens(block_size, seq_lens, sliding_window=100) == ctx.reused_tokens(block_size)
+    assert ctx.reused_tokens(block_size, seq_lens, sliding_window=2) == 0
+
+
 def test_cache_rebuilds_only_when_the_tree_changes():
     cache = PrefixTreeCache()
     block_size = 4

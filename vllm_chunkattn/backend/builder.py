@@ -152,7 +152,9 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         self._init_reorder_batch_threshold(tree_max_query_len,
                                            supports_spec_as_decode=support.tree_max_rows_per_kv_head > 1)
         self.tree_cache = PrefixTreeCache()
-        self.stats = DecodeStats(self.block_size)
+        # A windowed group (vLLM's SlidingWindowSpec) reads each row's last
+        # `sliding_window` keys only, and counts its reads so.
+        self.stats = DecodeStats(self.block_size, sliding_window=getattr(kv_cache_spec, "sliding_window", None) or 0)
         logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
 
     def build(

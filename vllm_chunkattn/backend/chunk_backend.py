@@ -31,7 +31,7 @@ _REWORDED = {
     "MLA not supported": f"MLA {_CAUSAL_ONLY}",
     "sparse not supported": f"sparse attention {_CAUSAL_ONLY}",
     "attention sinks not supported": f"attention sinks {_CAUSAL_ONLY}",
-    "sliding window not supported": f"sliding-window attention {_CAUSAL_ONLY}",
+    "sliding window not supported": "sliding-window attention on CUDA (supported: on CPU)",
     "partial multimodal token full attention not supported": f"multimodal prefix attention {_CAUSAL_ONLY}",
     "non-causal attention not supported": f"non-causal attention {_CAUSAL_ONLY}",
     "per-head quant scales not supported": f"per-head quantisation scales {_CAUSAL_ONLY}",
@@ -98,6 +98,10 @@ class ChunkAttentionBackend(AttentionBackend):
     def supports_compute_capability(cls, capability) -> bool:
         minimum = cls.support().min_compute_capability
         return minimum is None or capability is None or (capability.major, capability.minor) >= minimum
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return cls.support().sliding_window
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

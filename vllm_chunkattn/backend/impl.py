@@ -36,8 +36,8 @@ class ChunkAttentionImpl(AttentionImpl):
         unsupported = []
         if alibi_slopes is not None:
             unsupported.append("ALiBi")
-        if sliding_window is not None:
-            unsupported.append(f"sliding window ({sliding_window})")
+        if sliding_window is not None and not support.sliding_window:
+            unsupported.append(f"sliding window ({sliding_window}) on {support.platform}")
         if logits_soft_cap:
             unsupported.append(f"logits soft-cap ({logits_soft_cap})")
         if sinks is not None:
@@ -55,12 +55,14 @@ class ChunkAttentionImpl(AttentionImpl):
                 f"{BACKEND_NAME} attention does not support: {', '.join(unsupported)}. "
                 f"Supported: causal decoder self-attention, MHA or GQA, head sizes "
                 f"{names(support.head_sizes)}, dtypes {names(support.dtypes)}, "
-                f"kv_cache_dtype auto, no ALiBi, sliding window, soft-cap or sinks."
+                f"kv_cache_dtype auto, {'a' if support.sliding_window else 'no'} sliding window, "
+                f"no ALiBi, soft-cap or sinks."
             )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = float(scale)
+        self.sliding_window = sliding_window or 0  # the kernels' convention: 0 for none
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
     def do_kv_cache_update(
@@ -99,7 +101,7 @@ class ChunkAttentionImpl(AttentionImpl):
             # has one row per request, more than num_decode_tokens: those rows
             # are padding the kernels fill with zeros.
             rows = md.decode_plan.batch
-            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows])
+            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows], self.sliding_window)
         if md.prefill_seq_lens.numel():
             ops.paged_prefill(
                 query[num_decode_tokens : md.num_actual_tokens],
@@ -109,5 +111,6 @@ class ChunkAttentionImpl(AttentionImpl):
                 md.prefill_block_table,
                 self.scale,
                 output[num_decode_tokens : md.num_actual_tokens],
+                self.sliding_window,
             )
         return output

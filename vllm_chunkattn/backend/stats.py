@@ -40,14 +40,14 @@ class DecodeTotals:
     tree_lookups: int = 0
 
     def add(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int, num_requests: int,
-            multi_token_rows: int) -> None:
+            multi_token_rows: int, sliding_window: int = 0) -> None:
         self.steps += 1
         self.requests += num_requests
         self.rows += len(seq_lens)
         self.multi_token_rows += multi_token_rows
         self.nodes += tree.num_nodes
-        self.context_tokens += int(seq_lens.sum())
-        self.saved_tokens += tree.reused_tokens(block_size)
+        self.context_tokens += int((seq_lens.clamp(max=sliding_window) if sliding_window else seq_lens).sum())
+        self.saved_tokens += tree.reused_tokens(block_size, seq_lens, sliding_window)
 
     @property
     def mean_batch(self) -> float:
@@ -162,8 +162,9 @@ class DecodeStats:
     for the whole run when this object goes away (at the latest when the
     process exits: vLLM's engine core and workers exit normally on shutdown)."""
 
-    def __init__(self, block_size: int, period_s: float = 10.0) -> None:
+    def __init__(self, block_size: int, period_s: float = 10.0, sliding_window: int = 0) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # the group's layers': their reads are counted within it
         self.period_s = period_s
         self.run = DecodeTotals()
         weakref.finalize(self, _log_run_summary, self.run)
@@ -177,7 +178,7 @@ class DecodeStats:
                builds: int, lookups: int) -> None:
         """One step's tree over `seq_lens` (per row) of `num_requests` requests."""
         for totals in (self.window, self.run):
-            totals.add(tree, seq_lens, self.block_size, num_requests, multi_token_rows)
+            totals.add(tree, seq_lens, self.block_size, num_requests, multi_token_rows, self.sliding_window)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(format_step_tree(tree, num_requests, len(seq_lens)))
         self.run.tree_builds, self.run.tree_lookups = builds, lookups

@@ -150,6 +150,7 @@ class Workload:
     chunk: int
     dtype: str
     name: str = ""  # the serving benchmark's workload, for the serve grid
+    window: int = 0  # vLLM's sliding window (--sliding-window); 0: none
 
     @property
     def kv_heads(self) -> int:
@@ -160,9 +161,22 @@ class Workload:
     def context(self) -> int:
         return sum(tokens for tokens, _ in self.segments)
 
+    def visible_segments(self) -> list[tuple[int, int]]:
+        """`segments` less the leading tokens outside every request's window (all
+        requests have the same context): what a step must read at all."""
+        hidden = max(0, self.context - self.window) if self.window else 0
+        visible = []
+        for tokens, group in self.segments:
+            dropped = min(tokens, hidden)
+            hidden -= dropped
+            if tokens > dropped:
+                visible.append((tokens - dropped, group))
+        return visible
+
     def label(self) -> str:
         return (f"{self.grid}{' ' + self.name if self.name else ''} {self.dtype} b={self.batch} n_p={self.n_p} "
-                f"n_s={self.n_s} n_c={self.n_c} h={self.heads} d={self.head_dim} c={self.chunk}")
+                f"n_s={self.n_s} n_c={self.n_c} h={self.heads} d={self.head_dim} c={self.chunk}"
+                + (f" W={self.window}" if self.window else ""))
 
 
 def serve_points(dtype: str, quick: bool) -> list[Workload]:
@@ -417,16 +431,20 @@ def element_size(dtype: str) -> int:
 
 def distinct_kv_bytes(w: Workload) -> int:
     """KV bytes one step must read: a shared chunk once."""
-    tokens = sum(tokens * -(-w.batch // group) for tokens, group in w.segments)
+    tokens = sum(tokens * -(-w.batch // group) for tokens, group in w.visible_segments())
     return tokens * w.heads * w.head_dim * 2 * element_size(w.dtype)
 
 
+def visible_context(w: Workload) -> int:
+    return sum(tokens for tokens, _ in w.visible_segments())
+
+
 def unshared_kv_bytes(w: Workload) -> int:
-    return w.batch * w.context * w.heads * w.head_dim * 2 * element_size(w.dtype)
+    return w.batch * visible_context(w) * w.heads * w.head_dim * 2 * element_size(w.dtype)
 
 
 def decode_flops(w: Workload) -> int:
-    return 4 * w.batch * w.heads * w.context * w.head_dim
+    return 4 * w.batch * w.heads * visible_context(w) * w.head_dim
 
 
 def cache_bytes(machine_record: dict) -> int:
@@ -464,7 +482,7 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
     plan = ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx)
 
     def ours() -> torch.Tensor:
-        ops.tpp_decode(query, cache, plan, scale, ours_out)
+        ops.tpp_decode(query, cache, plan, scale, ours_out, w.window)
         return ours_out
 
     candidates.append(Candidate("ours", ours, repeats, timed="ours" in impls))
@@ -483,8 +501,8 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
             tables = {"PagedAttn*": shared_table}
         metadata = vops.cpu_attn_get_scheduler_metadata(
             num_reqs=w.batch, num_heads=w.heads, num_kv_heads=w.heads, head_dim=w.head_dim, seq_lens=seq_lens,
-            dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=_vllm_isa(dtype, w.chunk),
-            enable_kv_split=True)
+            dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=w.window or -1,
+            isa=_vllm_isa(dtype, w.chunk), enable_kv_split=True)
 
         def paged(table: torch.Tensor) -> Callable[[], torch.Tensor]:
             out = torch.empty_like(query)
@@ -492,7 +510,7 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
             def step() -> torch.Tensor:
                 vops.cpu_attention_with_kv_cache(
                     query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
-                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=w.window or -1,
                     block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
                 return out
 
@@ -503,6 +521,10 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
                 candidates.append(Candidate(name, paged(tables[name]), repeats))
 
     dense = [i for i in DENSE_IMPLS if i in impls]
+    if dense and w.window:
+        for name in dense:
+            skipped[name] = "the dense baselines have no sliding window"
+        dense = []
     if dense:
         block_bytes = w.heads * w.chunk * 2 * w.head_dim * element_size(w.dtype)
         needed = (shared_blocks + vllm_blocks) * block_bytes + unshared_kv_bytes(w)
@@ -873,12 +895,14 @@ class PlannedPoint:
         return self.point.label()
 
 
-def plan(grids: list[str], dtypes: list[str], quick: bool) -> list[PlannedPoint]:
+def plan(grids: list[str], dtypes: list[str], quick: bool, window: int = 0) -> list[PlannedPoint]:
     planned = []
     for grid in grids:
         for dtype in dtypes:
             points_of = {"prefill": prefill_points, "relay": relay_points}.get(grid)
             points = points_of(dtype, quick) if points_of else grid_points(grid, dtype, quick)
+            if window:
+                points = [dataclasses.replace(p, window=window) for p in points]
             planned += [PlannedPoint(grid, p) for p in points]
     return planned
 
@@ -907,6 +931,9 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
         lines += ["**As on a CPU without AVX-512 (`--as-avx2-cpu`): our kernels' AVX2 build, vLLM's AVX2 build of "
                   "its CPU kernels, torch's and oneDNN's AVX2 kernels; the roofline's compute term from the AVX2 FMA "
                   "peak.**", ""]
+    if env.get("sliding_window"):
+        lines += [f"**Every layer with a sliding window of {env['sliding_window']} tokens (`--sliding-window`), "
+                  "ours and vLLM's; the roofline counts the keys inside it.**", ""]
     if env.get("vllm_kernel_libraries"):
         lines += [f"vLLM's kernels loaded from: {', '.join(env['vllm_kernel_libraries'])}", ""]
     lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
@@ -997,8 +1024,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--as-avx2-cpu", action="store_true",
                         help="every implementation as on a CPU without AVX-512: ours, vLLM's and torch's AVX2 "
                              "kernels, the roofline from the AVX2 FMA peak")
+    parser.add_argument("--sliding-window", type=int, default=0, metavar="W",
+                        help="decode grids only: every layer with vLLM's sliding window W (each query sees its "
+                             "last W keys), ours and vLLM's alike; 0: none")
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
+    if args.sliding_window < 0:
+        parser.error("--sliding-window must be >= 0")
+    if args.sliding_window and args.grid in ("prefill", "relay", "all"):
+        parser.error(f"--sliding-window applies to the decode grids; choose one of "
+                     f"{', '.join(g for g in GRIDS if g not in ('prefill', 'relay'))}")
     if args.device == "cuda":
         sys.exit(run_on_gpu(args))
     if args.as_avx2_cpu:
@@ -1038,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
     print(machine.rates_line("machine rates at the start", rates[0]), flush=True)
     env = {
         "threads": threads, "loadavg_start": os.getloadavg(), "flush_cache": not args.warm,
-        "clock": args.clock, "repeats": args.repeats, "warmup": args.warmup, "argv": sys.argv if argv is None else
+        "clock": args.clock, "sliding_window": args.sliding_window, "repeats": args.repeats, "warmup": args.warmup, "argv": sys.argv if argv is None else
         ["kernel.py", *argv], "impls": impls, "as_avx2_cpu": args.as_avx2_cpu,
     }
     if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
@@ -1046,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
               f"machine, timings will be noisy", flush=True)
 
     flush = None if args.warm else CacheFlusher(machine_record)
-    planned = plan(grids, dtypes, args.quick)
+    planned = plan(grids, dtypes, args.quick, args.sliding_window)
     progress = Progress([point_roofline(p.point, rates, True, machine_record, unshared=True).bound_ms
                          for p in planned])
     rng = np.random.default_rng(0)
@@ -1094,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
                         batch=p.batch, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype,
-                        segments=p.segments)
+                        segments=p.segments, window=p.window)
         base["cpu_tuning"] = dataclasses.asdict(tunings[point_shape(p)])
         roofline_record = dict(base, impl="roofline", median_ms=bound.bound_ms, min_ms=bound.bound_ms,
                                max_ms=bound.bound_ms, **dataclasses.asdict(bound), memory_ms=bound.memory_ms,

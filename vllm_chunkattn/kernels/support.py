@@ -31,6 +31,8 @@ class PlatformSupport:
     # (kernels/cpu_tuning.py) and uses this value only with
     # CHUNKATTN_CPU_TUNING=default. 1: one-token rows only.
     tree_max_rows_per_kv_head: int
+    # vLLM's sliding-window attention (Mistral, Gemma 2/3, gpt-oss, Phi-3 layers).
+    sliding_window: bool
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
     min_compute_capability: tuple[int, int] | None = None
 
@@ -49,6 +51,7 @@ CPU = PlatformSupport(
     block_sizes=(32, 64, 128),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     tree_max_rows_per_kv_head=16,
+    sliding_window=True,
 )
 # Tensor-core MMA (mma.sync) in float16/bfloat16, cp.async: sm_80 and newer.
 CUDA = PlatformSupport(
@@ -57,6 +60,7 @@ CUDA = PlatformSupport(
     block_sizes=(16, 32, 64, 128),
     dtypes=(torch.float16, torch.bfloat16),
     tree_max_rows_per_kv_head=1,  # one-token rows only: multi-token rows on CUDA are not done yet
+    sliding_window=False,  # not done yet on CUDA
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
 
@@ -76,6 +80,8 @@ def markdown_rows() -> list[str]:
     for what, field in (("head size", "head_sizes"), ("dtype", "dtypes"), ("block (chunk) size", "block_sizes"),
                         ("KV cache dtype (auto: the model dtype)", "kv_cache_dtypes")):
         rows.append(f"| {what} | {names(getattr(CPU, field))} | {names(getattr(CUDA, field))} |")
+    rows.append(f"| sliding window | {'yes' if CPU.sliding_window else 'no'} | "
+                f"{'yes' if CUDA.sliding_window else 'no'} |")
     major, minor = MIN_COMPUTE_CAPABILITY
     rows.append(f"| device | any x86-64 CPU (AVX2 or AVX-512 kernels when present) | compute capability "
                 f"{major}.{minor} and newer |")

@@ -75,11 +75,13 @@ def tpp_decode(
     ctx: PrefixTreeContext,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Decode attention of one query token per request.
 
     query [B, num_heads, D], block_table [B, max_blocks], seq_lens [B] (context
-    including the token being decoded). Returns [B, num_heads, D].
+    including the token being decoded). With sliding_window W > 0 a row sees
+    only its last W keys. Returns [B, num_heads, D].
     """
     batch, num_heads, head_size = query.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -103,7 +105,12 @@ def tpp_decode(
         values = v_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
         # [num_kv_heads, rows * group, D]: the query matrix of the node
         q_node = q[rows].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_size)
-        o, m, n = _partial_attention(q_node, keys, values)
+        mask = None
+        if sliding_window:  # [rows * group, keys]: a key at or after the row's window start
+            key_pos = int(ctx.node_chunk_begin[k]) * block_size + torch.arange(keys.shape[1], device=device)
+            first = (seq_lens[rows].long() - sliding_window).repeat_interleave(group)
+            mask = (key_pos[None, :] >= first[:, None])[None]
+        o, m, n = _partial_attention(q_node, keys, values, mask)
         first = int(ctx.node_partial_offset[k])
         part_o[first : first + len(rows)] = o.view(num_kv_heads, len(rows), group, head_size).transpose(0, 1)
         part_m[first : first + len(rows)] = m.view(num_kv_heads, len(rows), group).transpose(0, 1)
@@ -115,6 +122,8 @@ def tpp_decode(
     max_private = int(private_len.max()) if batch else 0
     pos = shared_tokens[:, None] + torch.arange(max_private, device=device)[None, :]  # [B, L]
     valid = pos < seq_lens.long()[:, None]
+    if sliding_window:
+        valid &= pos >= seq_lens.long()[:, None] - sliding_window
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
     keys = k_cache[blocks, :, pos % block_size].float()  # [B, L, num_kv_heads, D]
@@ -149,9 +158,11 @@ def paged_prefill(
     block_table: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context
-    (prefill, chunked prefill, and prefill after a prefix-cache hit alike).
+    (prefill, chunked prefill, and prefill after a prefix-cache hit alike);
+    with sliding_window W > 0, over the last W positions of each token.
 
     query [T, num_heads, D] holds the requests' rows back to back;
     query_start_loc has len(seq_lens) + 1 entries. Writes into out [T, num_heads, D].
@@ -172,7 +183,10 @@ def paged_prefill(
         q = (query[q_begin:q_end].float() * scale).view(num_new, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_size)
         q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).repeat(group)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = key_pos <= q_pos[:, None]
+        if sliding_window:
+            mask &= key_pos > q_pos[:, None] - sliding_window
         o, _, n = _partial_attention(q, keys, values, mask[None])
         o = (o / n.unsqueeze(-1)).view(num_kv_heads, group, num_new, head_size)
         out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_size).to(out.dtype)

@@ -52,11 +52,22 @@ class PrefixTreeContext:
     def num_nodes(self) -> int:
         return int(self.node_begin.numel())
 
-    def reused_tokens(self, block_size: int) -> int:
-        """KV token reads saved: each node is read once instead of once per covered request."""
+    def reused_tokens(self, block_size: int, seq_lens: torch.Tensor | None = None, sliding_window: int = 0) -> int:
+        """KV token reads saved: each node is read once instead of once per covered request.
+        With a sliding window (and the rows' seq_lens), a row reads a node's chunks
+        from its window's first one on, and the node is read from the earliest of those."""
         chunks = (self.node_chunk_end - self.node_chunk_begin).long()
         covered = (self.node_end - self.node_begin).long()
-        return int((chunks * (covered - 1)).sum()) * block_size
+        if not sliding_window:
+            return int((chunks * (covered - 1)).sum()) * block_size
+        order = self.order.long()
+        saved = 0
+        for k in range(self.num_nodes):
+            lens = seq_lens[order[int(self.node_begin[k]) : int(self.node_end[k])]].long()
+            first = ((lens - sliding_window).clamp(min=0) // block_size).clamp(
+                int(self.node_chunk_begin[k]), int(self.node_chunk_end[k]))
+            saved += int((self.node_chunk_end[k] - first).sum() - (self.node_chunk_end[k] - first.min()))
+        return saved * block_size
 
 
 def _full_chunk_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:

@@ -21,13 +21,17 @@ CONFIGS = {
     "bfloat16-gqa-d128-block64": ("tiny-d128", "bfloat16", 64, None, 0.15, 0.15),
     "float16-mha-d64-block128": ("tiny-mha", "float16", 128, None, 0.05, 0.05),
 }
+# Attention variants (testing/models.py ATTENTION_VARIANTS), run by their own tests.
+VARIANT_CONFIGS = {
+    "float32-window80-block32": ("tiny-window", "float32", 32, None, 1e-3, 0.0),
+}
 
 
 def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "shared-prefix",
                  pensieve: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
     """`pensieve`: run with the PensieveConnector under this eviction policy;
     `extra_args`: more options of `python -m vllm_chunkattn.testing.workload`."""
-    model, dtype, block_size, num_blocks, _, _ = CONFIGS[name]
+    model, dtype, block_size, num_blocks, _, _ = {**CONFIGS, **VARIANT_CONFIGS}[name]
     out = tmp_path_factory.mktemp(name) / f"{workload}-{backend}-{pensieve or 'no-connector'}.json"
     cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--workload", workload, "--model-name", model,
            "--backend", backend, "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]

@@ -37,12 +37,20 @@ SPECS: dict[str, dict[str, int]] = {
         "tiny":      (256, 4, 64, 2, 2, 512, 4096),     # GQA, for tests
         "tiny-mha":  (256, 4, 64, 4, 2, 512, 4096),     # MHA
         "tiny-d128": (512, 4, 128, 2, 2, 1024, 4096),   # GQA, head_dim 128
+        "tiny-window": (256, 4, 64, 2, 2, 512, 4096),   # tiny with a sliding-window layer (below)
         "bench":     (2048, 16, 128, 16, 2, 1024, 8192),  # Llama-2-7B attention, small MLP
         # The serving benchmark's default: shaped like a served model (Llama-3-8B
         # scaled down: GQA 4:1, head_dim 128, MLP 3.5x hidden), so attention's
         # share of a step is not inflated.
         "bench-gqa": (2048, 16, 128, 4, 4, 7168, 16384),
     }.items()
+}
+
+# Attention beyond plain causal, as config.json keys vLLM's Llama reads: an
+# 80-token window (not a whole number of chunks) on the first layer, global
+# attention on the second, as Gemma 2 / gpt-oss interleave them.
+ATTENTION_VARIANTS: dict[str, dict] = {
+    "tiny-window": {"sliding_window": 80, "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 # What the benchmarks' --model-name choices are, for their help texts.
@@ -223,7 +231,7 @@ def _build_weights(spec: dict, vocab: int, seed: int) -> dict:
     return w
 
 
-def _hf_files(spec: dict, vocab: int) -> dict[str, dict]:
+def _hf_files(spec: dict, vocab: int, variant: dict) -> dict[str, dict]:
     """config / generation_config / tokenizer_config, written by hand so that
     generating a model needs neither torch nor transformers (and the files do
     not depend on which transformers version happens to be installed)."""
@@ -234,7 +242,7 @@ def _hf_files(spec: dict, vocab: int) -> dict[str, dict]:
         # Both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta.
         rope_theta=10000.0, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-        initializer_range=0.02, use_cache=True, torch_dtype="float32", **ids)
+        initializer_range=0.02, use_cache=True, torch_dtype="float32", **variant, **ids)
     tokenizer_config = dict(
         tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>", pad_token="<pad>", model_max_length=1 << 20,
@@ -246,7 +254,7 @@ def _hf_files(spec: dict, vocab: int) -> dict[str, dict]:
 def _cache_key(name: str) -> str:
     # Hash every input, so editing a spec, a gain or the corpus also
     # invalidates the cache without remembering to bump GENERATOR_VERSION.
-    blob = json.dumps([GENERATOR_VERSION, SPECS[name], MAX_VOCAB, EMBED_STD,
+    blob = json.dumps([GENERATOR_VERSION, SPECS[name], ATTENTION_VARIANTS.get(name), MAX_VOCAB, EMBED_STD,
                        QK_GAIN, VO_GAIN, MLP_GAIN, LM_HEAD_GAIN, SPECIAL_TOKENS,
                        CHAT_TEMPLATE, _corpus()], sort_keys=True)
     return f"{name}-g{GENERATOR_VERSION}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
@@ -278,7 +286,7 @@ def ensure_model(name: str = "tiny", root: str | None = None) -> str:
         tok = _build_tokenizer()
         tok.save(str(tmp / "tokenizer.json"))
         vocab = tok.get_vocab_size()
-        for fname, content in _hf_files(SPECS[name], vocab).items():
+        for fname, content in _hf_files(SPECS[name], vocab, ATTENTION_VARIANTS.get(name, {})).items():
             (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
         # A fixed seed per name: same files on every machine and every run.
         seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)

@@ -48,8 +48,10 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its whole context.
+    """Causal attention of each request's new tokens over its whole context,
+    or with `sliding_window` W > 0 over its last W positions (p - W + 1 .. p).
 
     query:           [num_tokens, num_heads, head_size]
     query_start_loc: [num_reqs + 1]; request i owns query rows qsl[i]:qsl[i+1]
@@ -74,7 +76,10 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - num_new, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
