@@ -13,6 +13,9 @@
 // W > 0: a query at position p sees keys p - W + 1 .. p only, as FlashAttention's
 // window (W - 1, 0). The kernels read no chunk that lies wholly before every
 // window of the rows an item covers.
+//
+// Logits soft-capping (the ops' `logits_soft_cap`, Gemma 2's): 0 for none;
+// cap > 0: each scaled score s becomes cap * tanh(s / cap) before the softmax.
 #pragma once
 
 #include <torch/all.h>
@@ -39,12 +42,14 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                 const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
                 const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
                 const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
-                const torch::Tensor& plan_row_order, double scale, int64_t sliding_window);
+                const torch::Tensor& plan_row_order, double scale, int64_t sliding_window,
+                double logits_soft_cap);
 
 // Causal attention of new tokens over the paged cache (csrc/cpu/prefill.cpp).
 void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                   const torch::Tensor& block_table, double scale, int64_t sliding_window);
+                   const torch::Tensor& block_table, double scale, int64_t sliding_window,
+                   double logits_soft_cap);
 
 // Merge of two normalised attention results by their log-sum-exps (csrc/cpu/merge_attn_states.cpp).
 void merge_attn_states(torch::Tensor& output, const torch::Tensor& prefix_output, const torch::Tensor& prefix_lse,

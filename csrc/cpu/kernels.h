@@ -53,6 +53,9 @@ struct AttnJob {
   // The drivers drop the chunks no row sees first (trim_to_window), so the
   // tiles only mask within the first chunks.
   const float* q_lo = nullptr;
+  // Logits soft-capping (Gemma 2): > 0, each score s (of the scaled query)
+  // becomes softcap * tanh(s / softcap) before the softmax.
+  float softcap = 0.f;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);

@@ -62,7 +62,7 @@ bool share_cached_blocks(const std::vector<int64_t>& qsl, const std::vector<int6
 template <typename qscalar_t>
 void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                         const std::vector<int64_t>& qsl, const std::vector<int64_t>& lens,
-                        const torch::Tensor& block_table, float scale, int64_t window) {
+                        const torch::Tensor& block_table, float scale, int64_t window, float softcap) {
   const int64_t num_heads = query.size(1), D = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -163,6 +163,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     AttnJob job{q, static_cast<int>(rows), table + it.req * table_stride, static_cast<int>(ctx + it.t1), it.head,
                 q_pos, o, m, n};
     job.q_scale = scale;
+    job.softcap = softcap;
     // Every row sees its own key, so a window always leaves one.
     if (window > 0) cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
     (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
@@ -179,7 +180,8 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
 
 void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                   const torch::Tensor& block_table, double scale, int64_t sliding_window) {
+                   const torch::Tensor& block_table, double scale, int64_t sliding_window,
+                   double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
               "chunkattn: query and out must be [num_tokens, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
@@ -197,10 +199,11 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
   TORCH_CHECK(static_cast<int64_t>(lens.size()) <= block_table.size(0), "chunkattn: block_table has fewer rows than requests");
   TORCH_CHECK(qsl[lens.size()] <= query.size(0), "chunkattn: query_start_loc points past the query rows");
   TORCH_CHECK(sliding_window >= 0, "chunkattn: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "chunkattn: logits_soft_cap must be >= 0 (0: none), got ", logits_soft_cap);
   if (lens.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_paged_prefill", [&] {
     paged_prefill_impl<scalar_t>(out, query, kv_cache, qsl, lens, block_table, static_cast<float>(scale),
-                                 sliding_window);
+                                 sliding_window, static_cast<float>(logits_soft_cap));
   });
 }
 

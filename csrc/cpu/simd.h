@@ -8,7 +8,7 @@
 //   zero/set1/load/store, load(const T*) converting bf16/fp16 -> fp32,
 //   load_pairs (2W bf16 -> even-indexed and odd-indexed values as fp32),
 //   gather (strided load, for transposes),
-//   add/sub/mul/max/fma, hsum/hmax, exp, fill_gt (masking).
+//   add/sub/mul/div/max/fma, hsum/hmax, exp, fill_gt (masking).
 //
 // Each struct is defined inside a `#pragma GCC target` region, so its member
 // functions may use that ISA's intrinsics while the rest of the library is
@@ -96,6 +96,7 @@ struct Scalar {
   static inline reg add(reg a, reg b) { return a + b; }
   static inline reg sub(reg a, reg b) { return a - b; }
   static inline reg mul(reg a, reg b) { return a * b; }
+  static inline reg div(reg a, reg b) { return a / b; }
   static inline reg max(reg a, reg b) { return a > b ? a : b; }
   static inline reg fma(reg a, reg b, reg c) { return a * b + c; }
   static inline float hsum(reg a) {
@@ -155,6 +156,7 @@ struct Avx2 {
   static inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static inline reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static inline reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
   static inline reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static inline reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static inline float hsum(reg a) {
@@ -228,6 +230,7 @@ struct Avx512 {
   static inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static inline reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static inline reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
   static inline reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float hsum(reg a) {

@@ -242,7 +242,7 @@ struct DecodePlanView {
 template <typename qscalar_t>
 void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                      const torch::Tensor& block_table, const torch::Tensor& seq_lens, const TreeContextView& ctx,
-                     const DecodePlanView& plan, float scale, int64_t window) {
+                     const DecodePlanView& plan, float scale, int64_t window, float softcap) {
   const int64_t batch = query.size(0), num_heads = query.size(1), D = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -308,6 +308,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
                 part_o + partial_row(h0) * D, part_m + partial_row(h0), part_n + partial_row(h0)};
     job.q_scale = scale;
     job.num_heads = nh;
+    job.softcap = softcap;
     if (window > 0) {  // row t sees keys from lens - window on, relative to the split's first key
       float* first_key = scr.get(3, M);
       for (int32_t t = 0; t < rows; ++t)
@@ -362,6 +363,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     const int num_private = static_cast<int>(lens[b] - shared);
     AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
                 static_cast<int>(nh), scale};
+    job.softcap = softcap;
     bool any_key = num_private > 0;
     if (any_key && window > 0) {
       float* first_key = scr.get(3, group);
@@ -464,7 +466,8 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                 const torch::Tensor& shared_chunks, const torch::Tensor& row_partial_offsets,
                 const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
                 const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
-                const torch::Tensor& plan_row_order, double scale, int64_t sliding_window) {
+                const torch::Tensor& plan_row_order, double scale, int64_t sliding_window,
+                double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
               "chunkattn: query and out must be [batch, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
@@ -511,9 +514,10 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   const DecodePlanView plan{h, plan_items.data_ptr<int32_t>(), plan_node_work.data_ptr<int32_t>(),
                             plan_partial_work.data_ptr<int32_t>(), plan_row_order.data_ptr<int32_t>()};
   TORCH_CHECK(sliding_window >= 0, "chunkattn: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "chunkattn: logits_soft_cap must be >= 0 (0: none), got ", logits_soft_cap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {
     tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, static_cast<float>(scale),
-                              sliding_window);
+                              sliding_window, static_cast<float>(logits_soft_cap));
   });
 }
 

@@ -196,3 +196,15 @@ def test_device_tree_buffers_copy_only_when_the_tree_changes():
     assert torch.equal(view2.order, other.order)
     with pytest.raises(ValueError, match="capacity"):
         buffers.load(ctx, 11)
+
+
+def test_cuda_impl_refuses_windows_and_soft_capping():
+    from vllm_chunkattn.backend import impl as impl_module
+
+    with mock.patch.object(impl_module.current_platform, "is_cuda", lambda: True):
+        with pytest.raises(NotImplementedError) as err:
+            impl_module.ChunkAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2, alibi_slopes=None,
+                                           sliding_window=128, kv_cache_dtype="auto", logits_soft_cap=30.0)
+    message = str(err.value)
+    assert "sliding window (128) on CUDA, logits soft-cap (30.0) on CUDA" in message
+    assert "not sliding windows, logits soft-capping, ALiBi, attention sinks" in message

@@ -200,37 +200,46 @@ def test_seeded_samples_do_not_depend_on_prefill_chunking(runs):
     assert [r["tokens"] for r in chunked["results"]] == [r["tokens"] for r in whole["results"]]
 
 
-def test_sliding_window_layers_match_stock(runs, tmp_path_factory):
-    """A model with an 80-token window on its first layer and global attention
-    on its second (Gemma 2's and gpt-oss's interleaving): vLLM gives each its
-    own KV cache group, so two metadata builders, both sharing. Identical tokens
-    and logprobs within 1e-3 against stock; and the window matters to these
-    prompts: the same weights without it give other logprobs."""
+# Per attention variant: config.json changes that take a feature away from
+# the same weights, each of which must change the outputs (else agreeing with
+# stock would not show the feature works).
+WITHOUT = {
+    "float32-window80-block32": {"the window": {"sliding_window": None, "layer_types": None}},
+    "float32-gemma2-block32": {"soft-capping": {"attn_logit_softcapping": None},
+                               "the window": {"layer_types": ["full_attention", "full_attention"]}},
+}
+
+
+@pytest.mark.parametrize("name", list(WITHOUT))
+def test_attention_variants_match_stock(runs, tmp_path_factory, name):
+    """Models whose first layer has an 80-token window and second global
+    attention (Gemma 2's and gpt-oss's interleaving; tiny-gemma2 also caps its
+    logits, through vLLM's Gemma 2 implementation): vLLM gives each kind of
+    layer its own KV cache group, so two metadata builders, both sharing.
+    Identical tokens and logprobs within 1e-3 against stock; and each feature
+    matters to these prompts: the same weights without it give other logprobs."""
     import json
     import shutil
 
     from vllm_chunkattn.testing.e2e_runs import VARIANT_CONFIGS, run_workload
     from vllm_chunkattn.testing.models import ATTENTION_VARIANTS, ensure_model
 
-    name = "float32-window80-block32"
     model, *_, logprob_atol, near_tie = VARIANT_CONFIGS[name]
-    window = ATTENTION_VARIANTS[model]["sliding_window"]
     stock, chunk = runs(name, "stock"), runs(name, "chunk")
     assert "Using CHUNK backend" in chunk["log"]
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     assert not report["problems"], "\n".join(report["problems"][:20])
     assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
     assert stock["chat"] == chunk["chat"]
-    assert max(r["prompt_tokens"] for r in chunk["results"]) > 4 * window
+    assert max(r["prompt_tokens"] for r in chunk["results"]) > 4 * ATTENTION_VARIANTS[model]["sliding_window"]
     summaries = chunk["decode_summaries"]
     assert len(summaries) == 2, chunk["log"][-3000:]  # the windowed layer's group and the global one's
     assert all(s.mean_nodes > 0 for s in summaries), summaries
 
-    unwindowed_dir = tmp_path_factory.mktemp("no-window") / "model"
-    shutil.copytree(ensure_model(model), unwindowed_dir)
-    config = json.loads((unwindowed_dir / "config.json").read_text())
-    for key in ATTENTION_VARIANTS[model]:
-        del config[key]
-    (unwindowed_dir / "config.json").write_text(json.dumps(config))
-    unwindowed = run_workload(tmp_path_factory, name, "chunk", extra_args=("--model", str(unwindowed_dir)))
-    assert compare_runs(chunk, unwindowed, logprob_atol, near_tie)["problems"]
+    for feature, change in WITHOUT[name].items():
+        other_dir = tmp_path_factory.mktemp("variant") / "model"
+        shutil.copytree(ensure_model(model), other_dir)
+        config = json.loads((other_dir / "config.json").read_text())
+        (other_dir / "config.json").write_text(json.dumps({**config, **change}))
+        other = run_workload(tmp_path_factory, name, "chunk", extra_args=("--model", str(other_dir)))
+        assert compare_runs(chunk, other, logprob_atol, near_tie)["problems"], f"{feature} changed nothing"

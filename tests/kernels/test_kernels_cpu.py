@@ -213,8 +213,10 @@ def decode_cases(draw, max_batch: int = 64, dtypes=tuple(DTYPES), head_sizes=tup
     # Sliding window (0: none): one key, either side of a chunk, or anywhere up to the longest context.
     window = draw(st.one_of(st.just(0), st.sampled_from([1, block_size - 1, block_size, block_size + 1]),
                             st.integers(1, max(lens) + 1)))
+    # Logits soft-capping (0: none): a cap that flattens most scores, and one that bends the largest.
+    softcap = draw(st.sampled_from([0.0, 0.0, 1.0, 20.0]))
     return dict(query=query, kv_cache=kv_cache, block_table=table, seq_lens=seq_lens, pad=pad,
-                scale=1.0 / math.sqrt(head_size), dtype=dtype, sliding_window=window)
+                scale=1.0 / math.sqrt(head_size), dtype=dtype, sliding_window=window, logits_soft_cap=softcap)
 
 
 def poison_unseen_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, readers) -> torch.Tensor:
@@ -249,7 +251,7 @@ def _decode_reference(case):
     batch = case["query"].shape[0]
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     return reference.paged_attention(case["query"], case["kv_cache"], qsl, case["seq_lens"], case["block_table"],
-                                     case["scale"], case["sliding_window"])
+                                     case["scale"], case["sliding_window"], case["logits_soft_cap"])
 
 
 def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
@@ -314,9 +316,10 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
     ref = _decode_reference(case)
     kv_cache = _decode_cache(case)
     assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], kv_cache, _plan(case, ctx), case["scale"], out,
-                                                  case["sliding_window"]),
+                                                  case["sliding_window"], case["logits_soft_cap"]),
                   case["query"], case["pad"], ref, case["dtype"],
-                  f"tpp_decode nodes={ctx.num_nodes} window={case['sliding_window']}", data.draw(tunings()))
+                  f"tpp_decode nodes={ctx.num_nodes} window={case['sliding_window']} cap={case['logits_soft_cap']}",
+                  data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -324,7 +327,8 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
 def test_torch_tpp_decode_matches_reference(case):
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
-                                   case["scale"], sliding_window=case["sliding_window"])
+                                   case["scale"], sliding_window=case["sliding_window"],
+                                   logits_soft_cap=case["logits_soft_cap"])
     assert_close(out, _decode_reference(case), case["dtype"], "torch_fallback.tpp_decode")
 
 
@@ -338,7 +342,7 @@ def _one_big_node(batch, num_kv_heads, group, chunks, block_size=64, head_size=1
     query = torch.randn(batch, num_kv_heads * group, head_size, generator=gen).to(dtype)
     lens = torch.full((batch,), chunks * block_size + tail, dtype=torch.int32)
     return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype,
-                sliding_window=0)
+                sliding_window=0, logits_soft_cap=0.0)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -479,9 +483,10 @@ def test_tpp_decode_rows_of_any_length_match_reference(isa, dtype, data):
         kv_cache = poison_unseen_blocks(kv_cache, rows.block_table, [
             (r, n - case["sliding_window"], n) for r, n in enumerate(rows.seq_lens.tolist())])
     assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], kv_cache, _rows_plan(case, ctx), case["scale"], out,
-                                                  case["sliding_window"]),
+                                                  case["sliding_window"], case["logits_soft_cap"]),
                   case["query"], case["pad"], ref, case["dtype"],
-                  f"tpp_decode rows, nodes={ctx.num_nodes} window={case['sliding_window']}", data.draw(tunings()))
+                  f"tpp_decode rows, nodes={ctx.num_nodes} window={case['sliding_window']} "
+                  f"cap={case['logits_soft_cap']}", data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -490,7 +495,8 @@ def test_torch_tpp_decode_rows_of_any_length_match_reference(case):
     ctx = _rows_tree(case)
     rows = case["rows"]
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], rows.block_table, rows.seq_lens, ctx,
-                                   case["scale"], sliding_window=case["sliding_window"])
+                                   case["scale"], sliding_window=case["sliding_window"],
+                                   logits_soft_cap=case["logits_soft_cap"])
     assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.tpp_decode rows")
 
 
@@ -533,7 +539,8 @@ def prefill_cases(draw, dtypes=tuple(DTYPES), head_sizes=tuple(HEAD_SIZES)):
 
 def _prefill_reference(case):
     return reference.paged_attention(case["query"], case["kv_cache"], case["query_start_loc"], case["seq_lens"],
-                                     case["block_table"], case["scale"], case.get("sliding_window", 0))
+                                     case["block_table"], case["scale"], case.get("sliding_window", 0),
+                                     case.get("logits_soft_cap", 0.0))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -551,9 +558,9 @@ def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
             (i, n - (qsl[i + 1] - qsl[i]) - window + 1, n) for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]])
     assert_on_isa(isa, lambda out: ops.paged_prefill(case["query"], kv_cache, case["query_start_loc"],
                                                      case["seq_lens"], case["block_table"], case["scale"], out,
-                                                     window),
-                  case["query"], case["pad"], ref, case["dtype"], f"paged_prefill window={window}",
-                  data.draw(tunings()))
+                                                     window, case["logits_soft_cap"]),
+                  case["query"], case["pad"], ref, case["dtype"],
+                  f"paged_prefill window={window} cap={case['logits_soft_cap']}", data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -562,7 +569,7 @@ def test_torch_paged_prefill_matches_reference(case):
     out = torch.zeros_like(case["query"])
     torch_fallback.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"].tolist(),
                                 case["seq_lens"].tolist(), case["block_table"], case["scale"], out,
-                                case["sliding_window"])
+                                case["sliding_window"], case["logits_soft_cap"])
     assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.paged_prefill")
 
 

@@ -107,7 +107,6 @@ IMPL = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes
     "change, expected",
     [
         ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
-        ({"logits_soft_cap": 30.0}, "logits soft-cap (30.0)"),
         ({"sinks": torch.zeros(8)}, "attention sinks"),
         ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
@@ -125,6 +124,11 @@ def test_sliding_window_is_accepted_on_cpu():
     assert ChunkAttentionBackend.validate_configuration(**{**BASE, "has_sliding_window": True}) == []
     impl = ChunkAttentionImpl(**{**IMPL, "sliding_window": 256})
     assert impl.sliding_window == 256 and ChunkAttentionImpl(**IMPL).sliding_window == 0
+
+
+def test_logits_soft_capping_is_accepted_on_cpu():
+    assert ChunkAttentionImpl(**{**IMPL, "logits_soft_cap": 50.0}).logits_soft_cap == 50.0
+    assert ChunkAttentionImpl(**IMPL).logits_soft_cap == 0.0
 
 
 def test_impl_accepts_gqa_and_mha():

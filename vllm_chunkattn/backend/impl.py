@@ -38,8 +38,8 @@ class ChunkAttentionImpl(AttentionImpl):
             unsupported.append("ALiBi")
         if sliding_window is not None and not support.sliding_window:
             unsupported.append(f"sliding window ({sliding_window}) on {support.platform}")
-        if logits_soft_cap:
-            unsupported.append(f"logits soft-cap ({logits_soft_cap})")
+        if logits_soft_cap and not support.logits_soft_cap:
+            unsupported.append(f"logits soft-cap ({logits_soft_cap}) on {support.platform}")
         if sinks is not None:
             unsupported.append("attention sinks")
         if attn_type != AttentionType.DECODER:
@@ -51,18 +51,21 @@ class ChunkAttentionImpl(AttentionImpl):
         if num_heads % num_kv_heads:
             unsupported.append(f"{num_heads} query heads over {num_kv_heads} KV heads")
         if unsupported:
+            variants = {"sliding windows": support.sliding_window, "logits soft-capping": support.logits_soft_cap}
+            supported = "".join(f", {v}" for v, ok in variants.items() if ok)
+            refused = [v for v, ok in variants.items() if not ok] + ["ALiBi", "attention sinks"]
             raise NotImplementedError(
                 f"{BACKEND_NAME} attention does not support: {', '.join(unsupported)}. "
                 f"Supported: causal decoder self-attention, MHA or GQA, head sizes "
                 f"{names(support.head_sizes)}, dtypes {names(support.dtypes)}, "
-                f"kv_cache_dtype auto, {'a' if support.sliding_window else 'no'} sliding window, "
-                f"no ALiBi, soft-cap or sinks."
+                f"kv_cache_dtype auto{supported}; not {', '.join(refused)}."
             )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.sliding_window = sliding_window or 0  # the kernels' convention: 0 for none
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
     def do_kv_cache_update(
@@ -101,7 +104,8 @@ class ChunkAttentionImpl(AttentionImpl):
             # has one row per request, more than num_decode_tokens: those rows
             # are padding the kernels fill with zeros.
             rows = md.decode_plan.batch
-            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows], self.sliding_window)
+            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows], self.sliding_window,
+                           self.logits_soft_cap)
         if md.prefill_seq_lens.numel():
             ops.paged_prefill(
                 query[num_decode_tokens : md.num_actual_tokens],
@@ -112,5 +116,6 @@ class ChunkAttentionImpl(AttentionImpl):
                 self.scale,
                 output[num_decode_tokens : md.num_actual_tokens],
                 self.sliding_window,
+                self.logits_soft_cap,
             )
         return output

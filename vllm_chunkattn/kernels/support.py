@@ -33,6 +33,8 @@ class PlatformSupport:
     tree_max_rows_per_kv_head: int
     # vLLM's sliding-window attention (Mistral, Gemma 2/3, gpt-oss, Phi-3 layers).
     sliding_window: bool
+    # Logits soft-capping (Gemma 2): cap * tanh(score / cap).
+    logits_soft_cap: bool
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
     min_compute_capability: tuple[int, int] | None = None
 
@@ -52,6 +54,7 @@ CPU = PlatformSupport(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     tree_max_rows_per_kv_head=16,
     sliding_window=True,
+    logits_soft_cap=True,
 )
 # Tensor-core MMA (mma.sync) in float16/bfloat16, cp.async: sm_80 and newer.
 CUDA = PlatformSupport(
@@ -61,6 +64,7 @@ CUDA = PlatformSupport(
     dtypes=(torch.float16, torch.bfloat16),
     tree_max_rows_per_kv_head=1,  # one-token rows only: multi-token rows on CUDA are not done yet
     sliding_window=False,  # not done yet on CUDA
+    logits_soft_cap=False,  # not done yet on CUDA
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
 
@@ -80,8 +84,8 @@ def markdown_rows() -> list[str]:
     for what, field in (("head size", "head_sizes"), ("dtype", "dtypes"), ("block (chunk) size", "block_sizes"),
                         ("KV cache dtype (auto: the model dtype)", "kv_cache_dtypes")):
         rows.append(f"| {what} | {names(getattr(CPU, field))} | {names(getattr(CUDA, field))} |")
-    rows.append(f"| sliding window | {'yes' if CPU.sliding_window else 'no'} | "
-                f"{'yes' if CUDA.sliding_window else 'no'} |")
+    for what, field in (("sliding window", "sliding_window"), ("logits soft-capping", "logits_soft_cap")):
+        rows.append(f"| {what} | {'yes' if getattr(CPU, field) else 'no'} | {'yes' if getattr(CUDA, field) else 'no'} |")
     major, minor = MIN_COMPUTE_CAPABILITY
     rows.append(f"| device | any x86-64 CPU (AVX2 or AVX-512 kernels when present) | compute capability "
                 f"{major}.{minor} and newer |")

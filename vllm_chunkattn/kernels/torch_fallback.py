@@ -26,15 +26,19 @@ def _exp_base(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
-def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                       logits_soft_cap: float = 0.0):
     """q [..., M, D] against k, v [..., L, D] -> (o [..., M, D], m [..., M], n [..., M]).
 
-    Rows that see no key get m = -inf, n = 0, o = 0.
+    Rows that see no key get m = -inf, n = 0, o = 0. logits_soft_cap c > 0:
+    scores s become c * tanh(s / c) first.
     """
     if k.shape[-2] == 0:  # no key at all (every request's context lies in nodes): amax needs one
         m = q.new_full(q.shape[:-1], float("-inf"))
         return q.new_zeros(*q.shape[:-1], v.shape[-1]), m, torch.zeros_like(m)
     scores = q @ k.transpose(-1, -2)
+    if logits_soft_cap:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     m = scores.amax(dim=-1)
@@ -76,12 +80,14 @@ def tpp_decode(
     scale: float,
     out: torch.Tensor | None = None,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of one query token per request.
 
     query [B, num_heads, D], block_table [B, max_blocks], seq_lens [B] (context
     including the token being decoded). With sliding_window W > 0 a row sees
-    only its last W keys. Returns [B, num_heads, D].
+    only its last W keys; logits_soft_cap c > 0 caps the scores (reference.py).
+    Returns [B, num_heads, D].
     """
     batch, num_heads, head_size = query.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -110,7 +116,7 @@ def tpp_decode(
             key_pos = int(ctx.node_chunk_begin[k]) * block_size + torch.arange(keys.shape[1], device=device)
             first = (seq_lens[rows].long() - sliding_window).repeat_interleave(group)
             mask = (key_pos[None, :] >= first[:, None])[None]
-        o, m, n = _partial_attention(q_node, keys, values, mask)
+        o, m, n = _partial_attention(q_node, keys, values, mask, logits_soft_cap)
         first = int(ctx.node_partial_offset[k])
         part_o[first : first + len(rows)] = o.view(num_kv_heads, len(rows), group, head_size).transpose(0, 1)
         part_m[first : first + len(rows)] = m.view(num_kv_heads, len(rows), group).transpose(0, 1)
@@ -129,7 +135,7 @@ def tpp_decode(
     keys = k_cache[blocks, :, pos % block_size].float()  # [B, L, num_kv_heads, D]
     values = v_cache[blocks, :, pos % block_size].float()
     o, m, n = _partial_attention(
-        q, keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3), valid[:, None, None, :]
+        q, keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3), valid[:, None, None, :], logits_soft_cap
     )  # o [B, num_kv_heads, group, D]
 
     # Merge: each request's node partials (depth <= tree depth) and its own part.
@@ -159,10 +165,12 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context
     (prefill, chunked prefill, and prefill after a prefix-cache hit alike);
-    with sliding_window W > 0, over the last W positions of each token.
+    with sliding_window W > 0, over the last W positions of each token;
+    logits_soft_cap c > 0 caps the scores (reference.py).
 
     query [T, num_heads, D] holds the requests' rows back to back;
     query_start_loc has len(seq_lens) + 1 entries. Writes into out [T, num_heads, D].
@@ -187,7 +195,7 @@ def paged_prefill(
         mask = key_pos <= q_pos[:, None]
         if sliding_window:
             mask &= key_pos > q_pos[:, None] - sliding_window
-        o, _, n = _partial_attention(q, keys, values, mask[None])
+        o, _, n = _partial_attention(q, keys, values, mask[None], logits_soft_cap)
         o = (o / n.unsqueeze(-1)).view(num_kv_heads, group, num_new, head_size)
         out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_size).to(out.dtype)
     return out

@@ -24,6 +24,7 @@ CONFIGS = {
 # Attention variants (testing/models.py ATTENTION_VARIANTS), run by their own tests.
 VARIANT_CONFIGS = {
     "float32-window80-block32": ("tiny-window", "float32", 32, None, 1e-3, 0.0),
+    "float32-gemma2-block32": ("tiny-gemma2", "float32", 32, None, 1e-3, 0.0),
 }
 
 

@@ -38,6 +38,7 @@ SPECS: dict[str, dict[str, int]] = {
         "tiny-mha":  (256, 4, 64, 4, 2, 512, 4096),     # MHA
         "tiny-d128": (512, 4, 128, 2, 2, 1024, 4096),   # GQA, head_dim 128
         "tiny-window": (256, 4, 64, 2, 2, 512, 4096),   # tiny with a sliding-window layer (below)
+        "tiny-gemma2": (256, 4, 64, 2, 2, 512, 4096),   # vLLM's Gemma 2: window, soft-capping (below)
         "bench":     (2048, 16, 128, 16, 2, 1024, 8192),  # Llama-2-7B attention, small MLP
         # The serving benchmark's default: shaped like a served model (Llama-3-8B
         # scaled down: GQA 4:1, head_dim 128, MLP 3.5x hidden), so attention's
@@ -49,8 +50,15 @@ SPECS: dict[str, dict[str, int]] = {
 # Attention beyond plain causal, as config.json keys vLLM's Llama reads: an
 # 80-token window (not a whole number of chunks) on the first layer, global
 # attention on the second, as Gemma 2 / gpt-oss interleave them.
+# "tiny-gemma2" is vLLM's Gemma 2 implementation (its norms, tied embeddings
+# and scaling) with that interleaving and logits soft-capping; its cap of 2 is
+# far below Gemma 2's 50 so that it changes these small random scores.
 ATTENTION_VARIANTS: dict[str, dict] = {
     "tiny-window": {"sliding_window": 80, "layer_types": ["sliding_attention", "full_attention"]},
+    "tiny-gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 80,
+                    "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 2.0,
+                    "final_logit_softcapping": None, "query_pre_attn_scalar": 64,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
 }
 
 # What the benchmarks' --model-name choices are, for their help texts.
@@ -197,8 +205,10 @@ def _build_tokenizer():
     return tok
 
 
-def _build_weights(spec: dict, vocab: int, seed: int) -> dict:
+def _build_weights(spec: dict, vocab: int, seed: int, variant: dict) -> dict:
     import numpy as np
+
+    gemma = variant.get("model_type") == "gemma2"  # norms scale by 1 + weight; two more per layer; tied lm_head
 
     rng = np.random.default_rng(seed)
 
@@ -208,12 +218,15 @@ def _build_weights(spec: dict, vocab: int, seed: int) -> dict:
     h, inter = spec["hidden_size"], spec["intermediate_size"]
     q_out = spec["num_attention_heads"] * spec["head_dim"]
     kv_out = spec["num_key_value_heads"] * spec["head_dim"]
-    ones = np.ones(h, dtype=np.float32)
+    ones = np.zeros(h, dtype=np.float32) if gemma else np.ones(h, dtype=np.float32)
     w = {"model.embed_tokens.weight": rand(vocab, h, EMBED_STD * h ** 0.5)}  # std EMBED_STD
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = ones
         w[p + "post_attention_layernorm.weight"] = ones
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = ones
+            w[p + "post_feedforward_layernorm.weight"] = ones
         w[p + "self_attn.q_proj.weight"] = rand(q_out, h, QK_GAIN)
         w[p + "self_attn.k_proj.weight"] = rand(kv_out, h, QK_GAIN)
         w[p + "self_attn.v_proj.weight"] = rand(kv_out, h, VO_GAIN)
@@ -227,7 +240,10 @@ def _build_weights(spec: dict, vocab: int, seed: int) -> dict:
     # the max over the vocab is far above 0 and greedy decoding never emits
     # EOS/PAD early; generations always run to max_tokens.
     lm_head[: len(SPECIAL_TOKENS)] = 0.0
-    w["lm_head.weight"] = lm_head
+    if gemma:  # the logits come from the embeddings: zero the special tokens' rows there
+        w["model.embed_tokens.weight"][: len(SPECIAL_TOKENS)] = 0.0
+    else:
+        w["lm_head.weight"] = lm_head
     return w
 
 
@@ -242,7 +258,8 @@ def _hf_files(spec: dict, vocab: int, variant: dict) -> dict[str, dict]:
         # Both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta.
         rope_theta=10000.0, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-        initializer_range=0.02, use_cache=True, torch_dtype="float32", **variant, **ids)
+        initializer_range=0.02, use_cache=True, torch_dtype="float32", **ids)
+    config.update(variant)
     tokenizer_config = dict(
         tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>", pad_token="<pad>", model_max_length=1 << 20,
@@ -290,7 +307,7 @@ def ensure_model(name: str = "tiny", root: str | None = None) -> str:
             (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
         # A fixed seed per name: same files on every machine and every run.
         seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
-        save_file(_build_weights(SPECS[name], vocab, seed),
+        save_file(_build_weights(SPECS[name], vocab, seed, ATTENTION_VARIANTS.get(name, {})),
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         # mkdtemp (and safetensors) create private files; the cache may be shared.
         tmp.chmod(0o755)

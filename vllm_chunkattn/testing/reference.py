@@ -49,9 +49,11 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole context,
-    or with `sliding_window` W > 0 over its last W positions (p - W + 1 .. p).
+    or with `sliding_window` W > 0 over its last W positions (p - W + 1 .. p);
+    with `logits_soft_cap` c > 0 each scaled score s becomes c * tanh(s / c).
 
     query:           [num_tokens, num_heads, head_size]
     query_start_loc: [num_reqs + 1]; request i owns query rows qsl[i]:qsl[i+1]
@@ -74,6 +76,8 @@ def paged_attention(
         v = v.double().repeat_interleave(group, dim=1)
         q = query[q_begin:q_end].double()  # [num_new, num_heads, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - num_new, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
         hidden = k_pos > q_pos
