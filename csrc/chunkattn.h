@@ -16,6 +16,15 @@
 //
 // Logits soft-capping (the ops' `logits_soft_cap`, Gemma 2's): 0 for none;
 // cap > 0: each scaled score s becomes cap * tanh(s / cap) before the softmax.
+//
+// ALiBi (the ops' `alibi_slopes`, BLOOM's, MPT's): none, or float32 [num_heads];
+// the score of key position k for a query at position p gains slope * (k - p),
+// after soft-capping.
+//
+// Attention sinks (the ops' `sinks`, gpt-oss's): none, or float32 [num_heads]
+// logits in the scaled scores' units; each joins its head's softmax
+// denominator once per query, as a key of value 0 would.
+// All variants are checked and carried as one AttentionVariant (common/attention_variant.h).
 #pragma once
 
 #include <torch/all.h>
@@ -43,13 +52,15 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                 const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
                 const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
                 const torch::Tensor& plan_row_order, double scale, int64_t sliding_window,
-                double logits_soft_cap);
+                double logits_soft_cap, const std::optional<torch::Tensor>& sinks,
+                const std::optional<torch::Tensor>& alibi_slopes);
 
 // Causal attention of new tokens over the paged cache (csrc/cpu/prefill.cpp).
 void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
                    const torch::Tensor& block_table, double scale, int64_t sliding_window,
-                   double logits_soft_cap);
+                   double logits_soft_cap, const std::optional<torch::Tensor>& sinks,
+                   const std::optional<torch::Tensor>& alibi_slopes);
 
 // Merge of two normalised attention results by their log-sum-exps (csrc/cpu/merge_attn_states.cpp).
 void merge_attn_states(torch::Tensor& output, const torch::Tensor& prefix_output, const torch::Tensor& prefix_lse,

@@ -100,6 +100,15 @@ CHUNKATTN_INLINE MergeScales merge(PartialState& running, const PartialState& pa
 // (n = 0) for lse = -inf, whose o then only ever takes factor 0.
 CHUNKATTN_INLINE PartialState normalised_state(float lse) { return {lse, lse == kPartialNegInf ? 0.f : 1.f}; }
 
+// Attention sinks (gpt-oss): a learned logit per query head that joins the
+// softmax denominator once per query, like a key with score `sink` and value 0.
+// Merged into a row's total state after all its parts, before the final o / n;
+// returns the factor the row's o takes.
+template <class Exp>
+CHUNKATTN_INLINE float merge_sink(PartialState& total, float sink) {
+  return merge<Exp>(total, PartialState{sink, 1.f}).running;
+}
+
 CHUNKATTN_INLINE float combine(float o_running, float o_part, const MergeScales& s) {
   return o_running * s.running + o_part * s.part;
 }

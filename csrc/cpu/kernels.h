@@ -56,6 +56,12 @@ struct AttnJob {
   // Logits soft-capping (Gemma 2): > 0, each score s (of the scaled query)
   // becomes softcap * tanh(s / softcap) before the softmax.
   float softcap = 0.f;
+  // ALiBi: [num_heads, rows] slopes, one per row's query head. The score of
+  // key k for row r gains slope * (k - q_pos[r]), after soft-capping; q_pos
+  // must then be set (a row's position, also when it masks nothing). The
+  // bias is relative to the row's own position, as vLLM's, so that it stays
+  // small where the softmax weights are large whatever the context length.
+  const float* alibi_slopes = nullptr;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);

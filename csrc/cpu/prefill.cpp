@@ -29,6 +29,8 @@
 #include <unordered_set>
 
 #include "chunkattn.h"
+#include "common/attention_variant.h"
+#include "common/partial_state.h"
 #include "cpu/driver_utils.h"
 #include "cpu/kernels.h"
 
@@ -62,7 +64,9 @@ bool share_cached_blocks(const std::vector<int64_t>& qsl, const std::vector<int6
 template <typename qscalar_t>
 void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                         const std::vector<int64_t>& qsl, const std::vector<int64_t>& lens,
-                        const torch::Tensor& block_table, float scale, int64_t window, float softcap) {
+                        const torch::Tensor& block_table, const AttentionVariant& variant) {
+  const float scale = variant.scale;
+  const int64_t window = variant.sliding_window;
   const int64_t num_heads = query.size(1), D = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -147,30 +151,36 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     cpu::DriverScratch& scr = cpu::driver_scratch();
     float* q = scr.get(0, rows * D);
     float* o = scr.get(1, rows * D);
-    float* mn = scr.get(2, 4 * rows);
+    float* mn = scr.get(2, 5 * rows);
     float* m = mn;
     float* n = mn + rows;
     float* q_pos = mn + 2 * rows;
     float* first_key = mn + 3 * rows;
+    float* slopes = mn + 4 * rows;
     for (int64_t t = it.t0; t < it.t1; ++t) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (t - it.t0) * group + g;
         cpu::load_scaled(query_row(it, t, g), D, scale, q + r * D);
         q_pos[r] = static_cast<float>(ctx + t);
         first_key[r] = static_cast<float>(ctx + t - window + 1);
+        if (variant.alibi_slopes) slopes[r] = variant.alibi_slopes[it.head * group + g];
       }
     }
     AttnJob job{q, static_cast<int>(rows), table + it.req * table_stride, static_cast<int>(ctx + it.t1), it.head,
                 q_pos, o, m, n};
     job.q_scale = scale;
-    job.softcap = softcap;
+    job.softcap = variant.logits_soft_cap;
+    if (variant.alibi_slopes) job.alibi_slopes = slopes;
     // Every row sees its own key, so a window always leaves one.
     if (window > 0) cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
     (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = it.t0 + r / group, g = r % group;
-      // Every row sees at least key 0, so n[r] > 0.
-      cpu::stream_row(o + r * D, D, out_data + (qsl[it.req] + t) * o_s0 + (it.head * group + g) * o_s1, 1.f / n[r]);
+      // Every row sees at least its own key, so n[r] > 0.
+      PartialState total{m[r], n[r]};
+      const float sink_scale = variant.sinks ? merge_sink<NaturalExp>(total, variant.sinks[it.head * group + g]) : 1.f;
+      cpu::stream_row(o + r * D, D, out_data + (qsl[it.req] + t) * o_s0 + (it.head * group + g) * o_s1,
+                      sink_scale / total.n);
     }
     cpu::stream_fence();
   });
@@ -181,7 +191,8 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
 void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
                    const torch::Tensor& block_table, double scale, int64_t sliding_window,
-                   double logits_soft_cap) {
+                   double logits_soft_cap, const std::optional<torch::Tensor>& sinks,
+                   const std::optional<torch::Tensor>& alibi_slopes) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
               "chunkattn: query and out must be [num_tokens, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
@@ -198,12 +209,10 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
   TORCH_CHECK(!qsl.empty() && qsl.size() >= lens.size() + 1 && qsl[0] >= 0, "chunkattn: query_start_loc must have num_reqs + 1 entries");
   TORCH_CHECK(static_cast<int64_t>(lens.size()) <= block_table.size(0), "chunkattn: block_table has fewer rows than requests");
   TORCH_CHECK(qsl[lens.size()] <= query.size(0), "chunkattn: query_start_loc points past the query rows");
-  TORCH_CHECK(sliding_window >= 0, "chunkattn: sliding_window must be >= 0 (0: none), got ", sliding_window);
-  TORCH_CHECK(logits_soft_cap >= 0, "chunkattn: logits_soft_cap must be >= 0 (0: none), got ", logits_soft_cap);
+  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   if (lens.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_paged_prefill", [&] {
-    paged_prefill_impl<scalar_t>(out, query, kv_cache, qsl, lens, block_table, static_cast<float>(scale),
-                                 sliding_window, static_cast<float>(logits_soft_cap));
+    paged_prefill_impl<scalar_t>(out, query, kv_cache, qsl, lens, block_table, variant);
   });
 }
 

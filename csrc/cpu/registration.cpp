@@ -30,16 +30,19 @@ TORCH_LIBRARY(chunkattn, m) {
       "Tensor node_partial_offset, Tensor shared_chunks, Tensor row_partial_offsets, Tensor row_partials, "
       "int num_partial_rows, int num_heads, int num_kv_heads, int head_size, int block_size, "
       "ScalarType dtype) -> ()");
-  // sliding_window, logits_soft_cap: 0 for none, else vLLM's (csrc/chunkattn.h).
+  // The variant arguments (sliding_window, logits_soft_cap: 0 for none; sinks, alibi_slopes:
+  // None or float32 [num_heads]) are vLLM's; csrc/chunkattn.h says what each computes.
   m.def(
       "tpp_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor order, Tensor node_begin, Tensor node_end, Tensor node_chunk_begin, Tensor node_chunk_end, "
       "Tensor node_partial_offset, Tensor shared_chunks, Tensor row_partial_offsets, Tensor row_partials, "
       "Tensor plan_header, Tensor plan_items, Tensor plan_node_work, Tensor plan_partial_work, "
-      "Tensor plan_row_order, float scale, int sliding_window=0, float logits_soft_cap=0.) -> ()");
+      "Tensor plan_row_order, float scale, int sliding_window=0, float logits_soft_cap=0., Tensor? sinks=None, "
+      "Tensor? alibi_slopes=None) -> ()");
   m.def(
       "paged_prefill(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_table, float scale, int sliding_window=0, float logits_soft_cap=0.) -> ()");
+      "Tensor block_table, float scale, int sliding_window=0, float logits_soft_cap=0., Tensor? sinks=None, "
+      "Tensor? alibi_slopes=None) -> ()");
   // vLLM's merge_attn_states (vllm/v1/attention/ops/merge_attn_states.py), argument for argument, less
   // its FP8 output_scale: outputs [T, H, D], log-sum-exps [H, T] float32.
   m.def(

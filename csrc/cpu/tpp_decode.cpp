@@ -49,6 +49,7 @@
 #include <thread>
 
 #include "chunkattn.h"
+#include "common/attention_variant.h"
 #include "common/partial_state.h"
 #include "cpu/driver_utils.h"
 #include "cpu/kernels.h"
@@ -242,7 +243,10 @@ struct DecodePlanView {
 template <typename qscalar_t>
 void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
                      const torch::Tensor& block_table, const torch::Tensor& seq_lens, const TreeContextView& ctx,
-                     const DecodePlanView& plan, float scale, int64_t window, float softcap) {
+                     const DecodePlanView& plan, const AttentionVariant& variant) {
+  const float scale = variant.scale;
+  const int64_t window = variant.sliding_window;
+  const float* alibi = variant.alibi_slopes;
   const int64_t batch = query.size(0), num_heads = query.size(1), D = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -308,22 +312,33 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
                 part_o + partial_row(h0) * D, part_m + partial_row(h0), part_n + partial_row(h0)};
     job.q_scale = scale;
     job.num_heads = nh;
-    job.softcap = softcap;
-    if (window > 0) {  // row t sees keys from lens - window on, relative to the split's first key
-      float* first_key = scr.get(3, M);
-      for (int32_t t = 0; t < rows; ++t)
-        std::fill_n(first_key + t * group, group,
-                    static_cast<float>(lens[ord[nb[k] + t]] - window - static_cast<int64_t>(c0) * block_size));
-      if (!cpu::trim_to_window(job, first_key, nullptr, static_cast<int>(block_size))) {
-        for (int32_t hh = 0; hh < nh; ++hh) {
-          const int64_t row0 = partial_row(h0 + hh);
-          std::fill_n(part_o + row0 * D, M * D, 0.f);
-          std::fill_n(part_m + row0, M, -std::numeric_limits<float>::infinity());
-          std::fill_n(part_n + row0, M, 0.f);
-        }
-        pending[k].fetch_sub(1, std::memory_order_release);
-        return;
+    job.softcap = variant.logits_soft_cap;
+    // Per row, relative to the split's first key: its window's first key, its
+    // position (for ALiBi; every key of a node lies before it) and its slopes.
+    float* row_args = scr.get(3, (2 + nh) * M);
+    float* first_key = row_args;
+    float* q_pos = alibi ? row_args + M : nullptr;
+    for (int32_t t = 0; t < rows; ++t) {
+      const int64_t len = lens[ord[nb[k] + t]] - static_cast<int64_t>(c0) * block_size;
+      std::fill_n(first_key + t * group, group, static_cast<float>(len - window));
+      if (q_pos) std::fill_n(q_pos + t * group, group, static_cast<float>(len - 1));
+    }
+    if (alibi) {
+      float* slopes = row_args + 2 * M;
+      for (int32_t hh = 0; hh < nh; ++hh)
+        for (int64_t r = 0; r < M; ++r) slopes[hh * M + r] = alibi[(h0 + hh) * group + r % group];
+      job.q_pos = q_pos;
+      job.alibi_slopes = slopes;
+    }
+    if (window > 0 && !cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size))) {
+      for (int32_t hh = 0; hh < nh; ++hh) {
+        const int64_t row0 = partial_row(h0 + hh);
+        std::fill_n(part_o + row0 * D, M * D, 0.f);
+        std::fill_n(part_m + row0, M, -std::numeric_limits<float>::infinity());
+        std::fill_n(part_n + row0, M, 0.f);
       }
+      pending[k].fetch_sub(1, std::memory_order_release);
+      return;
     }
     if (nh > 1) {  // the tiles write [nh, M] rows into scratch; each head's partials are part_rows apart
       float* mn = scr.get(2, 2 * nh * M);
@@ -363,13 +378,19 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     const int num_private = static_cast<int>(lens[b] - shared);
     AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
                 static_cast<int>(nh), scale};
-    job.softcap = softcap;
-    bool any_key = num_private > 0;
-    if (any_key && window > 0) {
-      float* first_key = scr.get(3, group);
-      std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
-      any_key = cpu::trim_to_window(job, first_key, nullptr, static_cast<int>(block_size));
+    job.softcap = variant.logits_soft_cap;
+    // The row's window start and position (for ALiBi), relative to its first private key.
+    float* row_args = scr.get(3, 2 * group);
+    float* first_key = row_args;
+    float* q_pos = alibi ? row_args + group : nullptr;
+    std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
+    if (alibi) {
+      std::fill_n(q_pos, group, static_cast<float>(lens[b] - 1 - shared));
+      job.q_pos = q_pos;
+      job.alibi_slopes = alibi + h0 * group;  // [nh, group]: the job's rows, head by head
     }
+    bool any_key = num_private > 0;
+    if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
     if (any_key) {
       (seq_direct ? kern.direct : kern.lanes)(kv, job);
     } else {
@@ -385,7 +406,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
     }
 
-    // Merge (equation 2): each node partial into the row's own part, in place; normalise once.
+    // Merge (equation 2): each node partial into the row's own part, in place;
+    // then the sink, if any; normalise once.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t h = h0 + r / group, g = r % group;
       PartialState total{m[r], n[r]};
@@ -400,7 +422,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
           for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
         }
       }
-      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1, inverse_sum(total.n));
+      const float sink_scale = variant.sinks ? merge_sink<NaturalExp>(total, variant.sinks[h0 * group + r]) : 1.f;
+      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1, sink_scale * inverse_sum(total.n));
     }
   };
 
@@ -467,7 +490,8 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                 const torch::Tensor& row_partials, const torch::Tensor& plan_header, const torch::Tensor& plan_items,
                 const torch::Tensor& plan_node_work, const torch::Tensor& plan_partial_work,
                 const torch::Tensor& plan_row_order, double scale, int64_t sliding_window,
-                double logits_soft_cap) {
+                double logits_soft_cap, const std::optional<torch::Tensor>& sinks,
+                const std::optional<torch::Tensor>& alibi_slopes) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
               "chunkattn: query and out must be [batch, num_heads, head_size] of the same shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
@@ -513,11 +537,9 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                                            node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
   const DecodePlanView plan{h, plan_items.data_ptr<int32_t>(), plan_node_work.data_ptr<int32_t>(),
                             plan_partial_work.data_ptr<int32_t>(), plan_row_order.data_ptr<int32_t>()};
-  TORCH_CHECK(sliding_window >= 0, "chunkattn: sliding_window must be >= 0 (0: none), got ", sliding_window);
-  TORCH_CHECK(logits_soft_cap >= 0, "chunkattn: logits_soft_cap must be >= 0 (0: none), got ", logits_soft_cap);
+  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {
-    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, static_cast<float>(scale),
-                              sliding_window, static_cast<float>(logits_soft_cap));
+    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, variant);
   });
 }
 

@@ -14,6 +14,7 @@
 
 #include "cuda/dispatch.h"
 #include "cuda/launch.h"
+#include "common/attention_variant.h"
 #include "common/decode_plan.h"
 
 namespace chunkattn::cuda_ops {
@@ -69,13 +70,14 @@ void check_cache(const at::Tensor& kv_cache, const at::Tensor& query, const char
               "kv_cache must be 16-byte aligned with block/head strides that are multiples of 8 elements");
 }
 
-// The CUDA kernels have no sliding window or soft-capping yet; the backend
-// refuses such layers on CUDA at engine start (kernels/support.py), this
-// guards direct calls.
-void check_plain_causal(int64_t sliding_window, double logits_soft_cap, const char* op) {
-  TORCH_CHECK(sliding_window == 0 && logits_soft_cap == 0, "chunkattn::", op, " on CUDA does not support a "
-              "sliding window or logits soft-capping yet (got ", sliding_window, ", ", logits_soft_cap,
-              "); the CPU kernels do");
+// The CUDA kernels have no sliding window, soft-capping, sinks or ALiBi yet;
+// the backend refuses such layers on CUDA at engine start (kernels/support.py),
+// this guards direct calls.
+void check_plain_causal(const AttentionVariant& variant, const char* op) {
+  TORCH_CHECK(variant.plain(), "chunkattn::", op, " on CUDA does not support a sliding window, logits "
+              "soft-capping, attention sinks or ALiBi yet (got window ", variant.sliding_window, ", cap ",
+              variant.logits_soft_cap, ", sinks ", variant.sinks ? "yes" : "no", ", ALiBi ",
+              variant.alibi_slopes ? "yes" : "no", "); the CPU kernels do");
 }
 
 void check_query(const at::Tensor& query, const at::Tensor& out, const at::Tensor& kv_cache, const char* op) {
@@ -284,9 +286,11 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
                 const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, const at::Tensor& plan_header,
                 const at::Tensor& plan_items, const at::Tensor& plan_node_work, const at::Tensor& plan_partial_work,
                 const at::Tensor& plan_row_order, double scale, int64_t sliding_window,
-                double logits_soft_cap) {
+                double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                const std::optional<at::Tensor>& alibi_slopes) {
   check_query(query, out, kv_cache, "tpp_decode");
-  check_plain_causal(sliding_window, logits_soft_cap, "tpp_decode");
+  check_plain_causal(attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query),
+                     "tpp_decode");
   const DType dtype = attention_dtype(query.scalar_type(), "tpp_decode");
   const at::Device device = query.device();
   const int64_t batch = query.size(0);
@@ -349,10 +353,11 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
 
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                   double scale, int64_t sliding_window,
-                double logits_soft_cap) {
+                   double scale, int64_t sliding_window, double logits_soft_cap,
+                   const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes) {
   check_query(query, out, kv_cache, "paged_prefill");
-  check_plain_causal(sliding_window, logits_soft_cap, "paged_prefill");
+  check_plain_causal(attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query),
+                     "paged_prefill");
   const DType dtype = attention_dtype(query.scalar_type(), "paged_prefill");
   const at::Device device = query.device();
   const int64_t num_reqs = seq_lens.numel();

@@ -29,12 +29,13 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
                 const at::Tensor& row_partial_offsets, const at::Tensor& row_partials, const at::Tensor& plan_header,
                 const at::Tensor& plan_items, const at::Tensor& plan_node_work, const at::Tensor& plan_partial_work,
                 const at::Tensor& plan_row_order, double scale, int64_t sliding_window,
-                double logits_soft_cap);
+                double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                const std::optional<at::Tensor>& alibi_slopes);
 
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                   double scale, int64_t sliding_window,
-                double logits_soft_cap);
+                   double scale, int64_t sliding_window, double logits_soft_cap,
+                   const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes);
 
 void merge_attn_states(at::Tensor& output, const at::Tensor& prefix_output, const at::Tensor& prefix_lse,
                        const at::Tensor& suffix_output, const at::Tensor& suffix_lse,

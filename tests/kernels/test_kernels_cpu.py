@@ -215,8 +215,31 @@ def decode_cases(draw, max_batch: int = 64, dtypes=tuple(DTYPES), head_sizes=tup
                             st.integers(1, max(lens) + 1)))
     # Logits soft-capping (0: none): a cap that flattens most scores, and one that bends the largest.
     softcap = draw(st.sampled_from([0.0, 0.0, 1.0, 20.0]))
+    # Attention sinks (None: none): logits about as large as the scores, so a sink takes a real share.
+    sinks = draw(st.sampled_from([None, None, 1.0, 4.0]))
+    if sinks is not None:
+        sinks = sinks * torch.randn(num_heads, generator=gen)
+    # ALiBi (None: none): BLOOM's slopes (steep for the first heads), or gentle random ones.
+    alibi = draw(st.sampled_from([None, None, "bloom", "gentle"]))
+    if alibi == "bloom":
+        alibi = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
+    elif alibi == "gentle":
+        alibi = 0.05 * torch.rand(num_heads, generator=gen)
     return dict(query=query, kv_cache=kv_cache, block_table=table, seq_lens=seq_lens, pad=pad,
-                scale=1.0 / math.sqrt(head_size), dtype=dtype, sliding_window=window, logits_soft_cap=softcap)
+                scale=1.0 / math.sqrt(head_size), dtype=dtype, sliding_window=window, logits_soft_cap=softcap,
+                sinks=sinks, alibi_slopes=alibi)
+
+
+def variant(case) -> dict:
+    """The case's attention-variant arguments, as ops, torch_fallback and reference take them."""
+    return {name: case.get(name, default) for name, default in (
+        ("sliding_window", 0), ("logits_soft_cap", 0.0), ("sinks", None), ("alibi_slopes", None))}
+
+
+def describe(case) -> str:
+    """The case's variant, for failure messages."""
+    return (f"window={case.get('sliding_window', 0)} cap={case.get('logits_soft_cap', 0.0)} "
+            f"sinks={case.get('sinks') is not None} alibi={case.get('alibi_slopes') is not None}")
 
 
 def poison_unseen_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, readers) -> torch.Tensor:
@@ -240,7 +263,7 @@ def poison_unseen_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, read
 
 def _decode_cache(case) -> torch.Tensor:
     """The case's cache as the kernels get it: with a window, unseen blocks poisoned."""
-    if not case["sliding_window"]:
+    if not case.get("sliding_window"):
         return case["kv_cache"]
     lens = case["seq_lens"].tolist()
     return poison_unseen_blocks(case["kv_cache"], case["block_table"],
@@ -251,7 +274,7 @@ def _decode_reference(case):
     batch = case["query"].shape[0]
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     return reference.paged_attention(case["query"], case["kv_cache"], qsl, case["seq_lens"], case["block_table"],
-                                     case["scale"], case["sliding_window"], case["logits_soft_cap"])
+                                     case["scale"], **variant(case))
 
 
 def _strided_out(like: torch.Tensor, pad: int) -> torch.Tensor:
@@ -316,9 +339,8 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
     ref = _decode_reference(case)
     kv_cache = _decode_cache(case)
     assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], kv_cache, _plan(case, ctx), case["scale"], out,
-                                                  case["sliding_window"], case["logits_soft_cap"]),
-                  case["query"], case["pad"], ref, case["dtype"],
-                  f"tpp_decode nodes={ctx.num_nodes} window={case['sliding_window']} cap={case['logits_soft_cap']}",
+                                                  **variant(case)),
+                  case["query"], case["pad"], ref, case["dtype"], f"tpp_decode nodes={ctx.num_nodes} {describe(case)}",
                   data.draw(tunings()))
 
 
@@ -327,9 +349,8 @@ def test_tpp_decode_matches_reference(isa, dtype, head_size, data):
 def test_torch_tpp_decode_matches_reference(case):
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], case["kv_cache"].shape[2])
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], case["block_table"], case["seq_lens"], ctx,
-                                   case["scale"], sliding_window=case["sliding_window"],
-                                   logits_soft_cap=case["logits_soft_cap"])
-    assert_close(out, _decode_reference(case), case["dtype"], "torch_fallback.tpp_decode")
+                                   case["scale"], **variant(case))
+    assert_close(out, _decode_reference(case), case["dtype"], f"torch_fallback.tpp_decode {describe(case)}")
 
 
 def _one_big_node(batch, num_kv_heads, group, chunks, block_size=64, head_size=128, dtype=torch.bfloat16, tail=5):
@@ -341,8 +362,7 @@ def _one_big_node(batch, num_kv_heads, group, chunks, block_size=64, head_size=1
     kv = torch.randn(chunks + batch, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
     query = torch.randn(batch, num_kv_heads * group, head_size, generator=gen).to(dtype)
     lens = torch.full((batch,), chunks * block_size + tail, dtype=torch.int32)
-    return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype,
-                sliding_window=0, logits_soft_cap=0.0)
+    return dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, pad=0, scale=head_size**-0.5, dtype=dtype)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -359,6 +379,34 @@ def test_tpp_decode_one_big_shared_node(isa, threads, num_kv_heads, group):
     try:
         assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), case["scale"], out),
                       case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("which", ["sinks", "alibi_slopes"])
+def test_tpp_decode_sinks_and_alibi_across_node_splits(isa, threads, which):
+    """A node split over the threads leaves several partials per row, merged
+    with the row's private part: a sink must join the denominator once per
+    query (not once per partial), and ALiBi's bias must be the same function
+    of the key position in both phases. The variant changes the result."""
+    case = _one_big_node(batch=6, num_kv_heads=2, group=4, chunks=24, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    # Sinks near log(keys): each takes a good share of its row's softmax.
+    case[which] = (7.0 + torch.randn(8, generator=gen) if which == "sinks"
+                   else torch.tensor([2.0 ** -(h + 1) for h in range(8)]))
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    ref = _decode_reference(case)
+    plain = reference.paged_attention(case["query"], case["kv_cache"], torch.arange(7, dtype=torch.int32),
+                                      case["seq_lens"], case["block_table"], case["scale"])
+    assert (plain - ref).abs().max() > 0.1 * plain.abs().max()  # the variant matters here
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx),
+                                                      case["scale"], out, **variant(case)),
+                      case["query"], 0, ref, case["dtype"], f"tpp_decode {which}, {threads} threads")
     finally:
         torch.set_num_threads(old)
 
@@ -483,10 +531,9 @@ def test_tpp_decode_rows_of_any_length_match_reference(isa, dtype, data):
         kv_cache = poison_unseen_blocks(kv_cache, rows.block_table, [
             (r, n - case["sliding_window"], n) for r, n in enumerate(rows.seq_lens.tolist())])
     assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], kv_cache, _rows_plan(case, ctx), case["scale"], out,
-                                                  case["sliding_window"], case["logits_soft_cap"]),
+                                                  **variant(case)),
                   case["query"], case["pad"], ref, case["dtype"],
-                  f"tpp_decode rows, nodes={ctx.num_nodes} window={case['sliding_window']} "
-                  f"cap={case['logits_soft_cap']}", data.draw(tunings()))
+                  f"tpp_decode rows, nodes={ctx.num_nodes} {describe(case)}", data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -495,9 +542,8 @@ def test_torch_tpp_decode_rows_of_any_length_match_reference(case):
     ctx = _rows_tree(case)
     rows = case["rows"]
     out = torch_fallback.tpp_decode(case["query"], case["kv_cache"], rows.block_table, rows.seq_lens, ctx,
-                                   case["scale"], sliding_window=case["sliding_window"],
-                                   logits_soft_cap=case["logits_soft_cap"])
-    assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.tpp_decode rows")
+                                   case["scale"], **variant(case))
+    assert_close(out, _prefill_reference(case), case["dtype"], f"torch_fallback.tpp_decode rows {describe(case)}")
 
 
 def test_rows_of_one_request_share_its_context_and_not_its_new_tokens():
@@ -539,8 +585,7 @@ def prefill_cases(draw, dtypes=tuple(DTYPES), head_sizes=tuple(HEAD_SIZES)):
 
 def _prefill_reference(case):
     return reference.paged_attention(case["query"], case["kv_cache"], case["query_start_loc"], case["seq_lens"],
-                                     case["block_table"], case["scale"], case.get("sliding_window", 0),
-                                     case.get("logits_soft_cap", 0.0))
+                                     case["block_table"], case["scale"], **variant(case))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -558,9 +603,9 @@ def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
             (i, n - (qsl[i + 1] - qsl[i]) - window + 1, n) for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]])
     assert_on_isa(isa, lambda out: ops.paged_prefill(case["query"], kv_cache, case["query_start_loc"],
                                                      case["seq_lens"], case["block_table"], case["scale"], out,
-                                                     window, case["logits_soft_cap"]),
-                  case["query"], case["pad"], ref, case["dtype"],
-                  f"paged_prefill window={window} cap={case['logits_soft_cap']}", data.draw(tunings()))
+                                                     **variant(case)),
+                  case["query"], case["pad"], ref, case["dtype"], f"paged_prefill {describe(case)}",
+                  data.draw(tunings()))
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
@@ -568,9 +613,8 @@ def test_paged_prefill_matches_reference(isa, dtype, head_size, data):
 def test_torch_paged_prefill_matches_reference(case):
     out = torch.zeros_like(case["query"])
     torch_fallback.paged_prefill(case["query"], case["kv_cache"], case["query_start_loc"].tolist(),
-                                case["seq_lens"].tolist(), case["block_table"], case["scale"], out,
-                                case["sliding_window"], case["logits_soft_cap"])
-    assert_close(out, _prefill_reference(case), case["dtype"], "torch_fallback.paged_prefill")
+                                case["seq_lens"].tolist(), case["block_table"], case["scale"], out, **variant(case))
+    assert_close(out, _prefill_reference(case), case["dtype"], f"torch_fallback.paged_prefill {describe(case)}")
 
 
 @pytest.mark.parametrize("isa", ISAS)

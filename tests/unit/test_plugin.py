@@ -89,7 +89,6 @@ def test_supported_configuration_has_no_reasons():
         ({"dtype": torch.float64}, "dtype float64 (supported: float32, float16, bfloat16)"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 (supported: auto"),
         ({"use_mla": True}, "MLA (supported: causal decoder self-attention)"),
-        ({"has_sink": True}, "attention sinks"),
         ({"attn_type": "encoder_only"}, "attention type encoder_only (supported: decoder self-attention"),
         ({"attn_type": "encoder_decoder"}, "no encoder or cross attention"),
     ],
@@ -106,8 +105,6 @@ IMPL = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
-        ({"sinks": torch.zeros(8)}, "attention sinks"),
         ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
         ({"head_size": 96}, "head size 96"),
@@ -129,6 +126,16 @@ def test_sliding_window_is_accepted_on_cpu():
 def test_logits_soft_capping_is_accepted_on_cpu():
     assert ChunkAttentionImpl(**{**IMPL, "logits_soft_cap": 50.0}).logits_soft_cap == 50.0
     assert ChunkAttentionImpl(**IMPL).logits_soft_cap == 0.0
+
+
+def test_sinks_and_alibi_are_accepted_on_cpu():
+    assert ChunkAttentionBackend.supports_sink()
+    assert ChunkAttentionBackend.validate_configuration(**{**BASE, "has_sink": True}) == []
+    sinks = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+    impl = ChunkAttentionImpl(**{**IMPL, "sinks": sinks, "alibi_slopes": [0.5 ** h for h in range(8)]})
+    assert impl.sinks is sinks  # the parameter itself: its weights are loaded after the impl is made
+    assert impl.alibi_slopes.dtype == torch.float32 and impl.alibi_slopes.tolist() == [0.5 ** h for h in range(8)]
+    assert ChunkAttentionImpl(**IMPL).sinks is None and ChunkAttentionImpl(**IMPL).alibi_slopes is None
 
 
 def test_impl_accepts_gqa_and_mha():

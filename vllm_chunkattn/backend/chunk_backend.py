@@ -30,7 +30,7 @@ _CAUSAL_ONLY = "(supported: causal decoder self-attention)"
 _REWORDED = {
     "MLA not supported": f"MLA {_CAUSAL_ONLY}",
     "sparse not supported": f"sparse attention {_CAUSAL_ONLY}",
-    "attention sinks not supported": f"attention sinks {_CAUSAL_ONLY}",
+    "attention sinks not supported": "attention sinks on CUDA (supported: on CPU)",
     "sliding window not supported": "sliding-window attention on CUDA (supported: on CPU)",
     "partial multimodal token full attention not supported": f"multimodal prefix attention {_CAUSAL_ONLY}",
     "non-causal attention not supported": f"non-causal attention {_CAUSAL_ONLY}",
@@ -102,6 +102,10 @@ class ChunkAttentionBackend(AttentionBackend):
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return cls.support().sliding_window
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return cls.support().attention_sinks
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

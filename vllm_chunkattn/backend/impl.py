@@ -14,7 +14,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionTy
 from vllm_chunkattn import BACKEND_NAME
 from vllm_chunkattn.backend.builder import ChunkAttentionMetadata
 from vllm_chunkattn.kernels import ops
-from vllm_chunkattn.kernels.support import for_platform, names
+from vllm_chunkattn.kernels.support import VARIANTS, for_platform, names
 
 
 class ChunkAttentionImpl(AttentionImpl):
@@ -34,14 +34,14 @@ class ChunkAttentionImpl(AttentionImpl):
     ) -> None:
         support = for_platform(current_platform.is_cuda())
         unsupported = []
-        if alibi_slopes is not None:
-            unsupported.append("ALiBi")
+        if alibi_slopes is not None and not support.alibi:
+            unsupported.append(f"ALiBi on {support.platform}")
         if sliding_window is not None and not support.sliding_window:
             unsupported.append(f"sliding window ({sliding_window}) on {support.platform}")
         if logits_soft_cap and not support.logits_soft_cap:
             unsupported.append(f"logits soft-cap ({logits_soft_cap}) on {support.platform}")
-        if sinks is not None:
-            unsupported.append("attention sinks")
+        if sinks is not None and not support.attention_sinks:
+            unsupported.append(f"attention sinks on {support.platform}")
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attention type {attn_type}")
         if kv_cache_dtype != "auto":
@@ -51,14 +51,14 @@ class ChunkAttentionImpl(AttentionImpl):
         if num_heads % num_kv_heads:
             unsupported.append(f"{num_heads} query heads over {num_kv_heads} KV heads")
         if unsupported:
-            variants = {"sliding windows": support.sliding_window, "logits soft-capping": support.logits_soft_cap}
-            supported = "".join(f", {v}" for v, ok in variants.items() if ok)
-            refused = [v for v, ok in variants.items() if not ok] + ["ALiBi", "attention sinks"]
+            supported = "".join(f", {v}" for v, flag in VARIANTS.items() if getattr(support, flag))
+            refused = [v for v, flag in VARIANTS.items() if not getattr(support, flag)]
             raise NotImplementedError(
                 f"{BACKEND_NAME} attention does not support: {', '.join(unsupported)}. "
                 f"Supported: causal decoder self-attention, MHA or GQA, head sizes "
                 f"{names(support.head_sizes)}, dtypes {names(support.dtypes)}, "
-                f"kv_cache_dtype auto{supported}; not {', '.join(refused)}."
+                f"kv_cache_dtype auto{supported}"
+                + (f"; not {', '.join(refused)} on {support.platform}." if refused else ".")
             )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -66,6 +66,9 @@ class ChunkAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.sliding_window = sliding_window or 0  # the kernels' convention: 0 for none
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        # The layer's parameter, whose values are loaded after this: read at each forward.
+        self.sinks = sinks
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
     def do_kv_cache_update(
@@ -98,14 +101,17 @@ class ChunkAttentionImpl(AttentionImpl):
         md = attn_metadata
         output = output.view(-1, self.num_heads, self.head_size)
         num_decode_tokens = md.num_decode_tokens
+        # The kernels take float32 per-head vectors (a float32 sinks parameter is passed as it is).
+        sinks = None if self.sinks is None else self.sinks.float()
+        variant = dict(sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                       alibi_slopes=self.alibi_slopes)
         if md.num_decodes:
             # One row per query token of the tree requests (prefix/query_rows.py).
             # In a CUDA-graph batch padded with requests of no tokens the plan
             # has one row per request, more than num_decode_tokens: those rows
             # are padding the kernels fill with zeros.
             rows = md.decode_plan.batch
-            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows], self.sliding_window,
-                           self.logits_soft_cap)
+            ops.tpp_decode(query[:rows], kv_cache, md.decode_plan, self.scale, output[:rows], **variant)
         if md.prefill_seq_lens.numel():
             ops.paged_prefill(
                 query[num_decode_tokens : md.num_actual_tokens],
@@ -115,7 +121,6 @@ class ChunkAttentionImpl(AttentionImpl):
                 md.prefill_block_table,
                 self.scale,
                 output[num_decode_tokens : md.num_actual_tokens],
-                self.sliding_window,
-                self.logits_soft_cap,
+                **variant,
             )
         return output

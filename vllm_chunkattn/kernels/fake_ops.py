@@ -41,13 +41,13 @@ def _fake_tpp_decode_plan(plan_header, plan_items, plan_node_work, plan_partial_
 def _fake_tpp_decode(out, query, kv_cache, block_table, seq_lens, order, node_begin, node_end, node_chunk_begin,
                      node_chunk_end, node_partial_offset, shared_chunks, row_partial_offsets, row_partials,
                      plan_header, plan_items, plan_node_work, plan_partial_work, plan_row_order, scale,
-                     sliding_window=0, logits_soft_cap=0.0) -> None:
+                     sliding_window=0, logits_soft_cap=0.0, sinks=None, alibi_slopes=None) -> None:
     torch._check(query.dim() == 3, lambda: "query must be [batch, num_heads, head_size]")
     _check_same(out, query, "out")
 
 
 def _fake_paged_prefill(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale,
-                        sliding_window=0, logits_soft_cap=0.0) -> None:
+                        sliding_window=0, logits_soft_cap=0.0, sinks=None, alibi_slopes=None) -> None:
     torch._check(query.dim() == 3, lambda: "query must be [num_tokens, num_heads, head_size]")
     _check_same(out, query, "out")
 

@@ -108,18 +108,22 @@ def tpp_decode(
     out: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Two-phase-partition decode of one layer: query/out [B, num_heads, head_size],
     running the step's `plan` (plan_tpp_decode), which must be for this layer's shape.
-    sliding_window, logits_soft_cap: 0 for none, else vLLM's (csrc/chunkattn.h)."""
+    sliding_window, logits_soft_cap: 0 for none; sinks, alibi_slopes: None or
+    float32 [num_heads]; each as vLLM's (csrc/chunkattn.h)."""
     plan.check_layer(query, kv_cache)
     if plan.work is None:
         return torch_fallback.tpp_decode(query, kv_cache, plan.block_table, plan.seq_lens, plan.context, scale, out,
-                                         sliding_window, logits_soft_cap)
+                                         sliding_window, logits_soft_cap, sinks, alibi_slopes)
     work = plan.work
     torch.ops.chunkattn.tpp_decode(
         out, query, kv_cache, plan.block_table, plan.seq_lens, *_context_arrays(plan.context), work.header,
         work.items, work.node_work, work.partial_work, work.row_order, scale, sliding_window, logits_soft_cap,
+        sinks, alibi_slopes,
     )
     return out
 
@@ -134,21 +138,24 @@ def paged_prefill(
     out: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of many new tokens per request over the paged cache.
     query/out [T, num_heads, head_size]; query_start_loc [R + 1] (starting at 0);
-    sliding_window, logits_soft_cap: 0 for none, else vLLM's (csrc/chunkattn.h)."""
+    the variant arguments as tpp_decode's."""
     device = query.device
     kernel = _compiled("paged_prefill", device)
     if kernel is None or (device.type == "cuda" and query.dtype not in support.CUDA.dtypes):
         return torch_fallback.paged_prefill(
             query, kv_cache, query_start_loc.tolist(), seq_lens.tolist(), block_table, scale, out, sliding_window,
-            logits_soft_cap,
+            logits_soft_cap, sinks, alibi_slopes,
         )
     if device.type == "cuda":
         query_start_loc, seq_lens = _on(query_start_loc, device), _on(seq_lens, device)
         block_table = _on(block_table, device)
-    kernel(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, logits_soft_cap)
+    kernel(out, query, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, logits_soft_cap, sinks,
+           alibi_slopes)
     return out
 
 

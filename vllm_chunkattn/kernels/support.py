@@ -35,6 +35,10 @@ class PlatformSupport:
     sliding_window: bool
     # Logits soft-capping (Gemma 2): cap * tanh(score / cap).
     logits_soft_cap: bool
+    # Learned attention sinks (gpt-oss): one more softmax term per head.
+    attention_sinks: bool
+    # ALiBi position bias (BLOOM, MPT): slope * (key position - query position).
+    alibi: bool
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # "auto": the model dtype
     min_compute_capability: tuple[int, int] | None = None
 
@@ -55,6 +59,8 @@ CPU = PlatformSupport(
     tree_max_rows_per_kv_head=16,
     sliding_window=True,
     logits_soft_cap=True,
+    attention_sinks=True,
+    alibi=True,
 )
 # Tensor-core MMA (mma.sync) in float16/bfloat16, cp.async: sm_80 and newer.
 CUDA = PlatformSupport(
@@ -65,8 +71,15 @@ CUDA = PlatformSupport(
     tree_max_rows_per_kv_head=1,  # one-token rows only: multi-token rows on CUDA are not done yet
     sliding_window=False,  # not done yet on CUDA
     logits_soft_cap=False,  # not done yet on CUDA
+    attention_sinks=False,  # not done yet on CUDA
+    alibi=False,  # not done yet on CUDA
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
+
+
+# The attention variants beyond plain causal softmax: how messages and the README name each flag.
+VARIANTS = {"sliding windows": "sliding_window", "logits soft-capping": "logits_soft_cap",
+            "attention sinks": "attention_sinks", "ALiBi": "alibi"}
 
 
 def for_platform(cuda: bool) -> PlatformSupport:
@@ -84,7 +97,7 @@ def markdown_rows() -> list[str]:
     for what, field in (("head size", "head_sizes"), ("dtype", "dtypes"), ("block (chunk) size", "block_sizes"),
                         ("KV cache dtype (auto: the model dtype)", "kv_cache_dtypes")):
         rows.append(f"| {what} | {names(getattr(CPU, field))} | {names(getattr(CUDA, field))} |")
-    for what, field in (("sliding window", "sliding_window"), ("logits soft-capping", "logits_soft_cap")):
+    for what, field in VARIANTS.items():
         rows.append(f"| {what} | {'yes' if getattr(CPU, field) else 'no'} | {'yes' if getattr(CUDA, field) else 'no'} |")
     major, minor = MIN_COMPUTE_CAPABILITY
     rows.append(f"| device | any x86-64 CPU (AVX2 or AVX-512 kernels when present) | compute capability "

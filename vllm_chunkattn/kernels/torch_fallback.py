@@ -27,11 +27,11 @@ def _exp_base(m: torch.Tensor) -> torch.Tensor:
 
 
 def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                       logits_soft_cap: float = 0.0):
+                       logits_soft_cap: float = 0.0, bias: torch.Tensor | None = None):
     """q [..., M, D] against k, v [..., L, D] -> (o [..., M, D], m [..., M], n [..., M]).
 
     Rows that see no key get m = -inf, n = 0, o = 0. logits_soft_cap c > 0:
-    scores s become c * tanh(s / c) first.
+    scores s become c * tanh(s / c) first; then `bias` [..., M, L] (ALiBi) is added.
     """
     if k.shape[-2] == 0:  # no key at all (every request's context lies in nodes): amax needs one
         m = q.new_full(q.shape[:-1], float("-inf"))
@@ -39,6 +39,8 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     scores = q @ k.transpose(-1, -2)
     if logits_soft_cap:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     m = scores.amax(dim=-1)
@@ -54,6 +56,22 @@ def _merge(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, dim: int):
     n_total = (weight * n).sum(dim=dim)
     o_total = (weight.unsqueeze(-1) * o).sum(dim=dim)
     return o_total, m_total.squeeze(dim), n_total
+
+
+def _merge_sinks(o: torch.Tensor, m: torch.Tensor, n: torch.Tensor, sinks: torch.Tensor | None):
+    """The merged state with each row's sink logit (same shape as m) joined
+    as one more key of value 0 (csrc/common/partial_state.h merge_sink)."""
+    if sinks is None:
+        return o, m, n
+    part = m.dim()  # the new dim the two parts are stacked along (o's head dim stays last)
+    return _merge(torch.stack([o, torch.zeros_like(o)], dim=part), torch.stack([m, sinks.expand_as(m)], dim=part),
+                  torch.stack([n, torch.ones_like(n)], dim=part), dim=part)
+
+
+def _alibi_bias(slopes: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """slope * (key position - query position): slopes [..., M, 1] or broadcastable,
+    key_pos [..., L], query_pos [..., M, 1] -> [..., M, L]."""
+    return slopes * (key_pos - query_pos).float()
 
 
 def _normalise(o: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -81,13 +99,15 @@ def tpp_decode(
     out: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per request.
 
     query [B, num_heads, D], block_table [B, max_blocks], seq_lens [B] (context
     including the token being decoded). With sliding_window W > 0 a row sees
-    only its last W keys; logits_soft_cap c > 0 caps the scores (reference.py).
-    Returns [B, num_heads, D].
+    only its last W keys; logits_soft_cap c > 0 caps the scores; sinks and
+    alibi_slopes [num_heads] as reference.py. Returns [B, num_heads, D].
     """
     batch, num_heads, head_size = query.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -96,6 +116,8 @@ def tpp_decode(
     device = query.device
     q = (query.float() * scale).view(batch, num_kv_heads, group, head_size)
     seq_lens = seq_lens.to(device)
+    query_pos = seq_lens.long() - 1
+    slopes = alibi_slopes.to(device).view(num_kv_heads, group) if alibi_slopes is not None else None
 
     # Chunk-first phase: each shared node once, for all the requests it covers.
     part_o = q.new_zeros(ctx.num_partial_rows, num_kv_heads, group, head_size)
@@ -111,12 +133,15 @@ def tpp_decode(
         values = v_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
         # [num_kv_heads, rows * group, D]: the query matrix of the node
         q_node = q[rows].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_size)
-        mask = None
+        key_pos = int(ctx.node_chunk_begin[k]) * block_size + torch.arange(keys.shape[1], device=device)
+        mask = bias = None
         if sliding_window:  # [rows * group, keys]: a key at or after the row's window start
-            key_pos = int(ctx.node_chunk_begin[k]) * block_size + torch.arange(keys.shape[1], device=device)
             first = (seq_lens[rows].long() - sliding_window).repeat_interleave(group)
             mask = (key_pos[None, :] >= first[:, None])[None]
-        o, m, n = _partial_attention(q_node, keys, values, mask, logits_soft_cap)
+        if slopes is not None:  # [num_kv_heads, rows * group, keys]
+            row_slopes = slopes[:, None, :].expand(-1, len(rows), -1).reshape(num_kv_heads, -1, 1)
+            bias = _alibi_bias(row_slopes, key_pos, query_pos[rows].repeat_interleave(group)[:, None])
+        o, m, n = _partial_attention(q_node, keys, values, mask, logits_soft_cap, bias)
         first = int(ctx.node_partial_offset[k])
         part_o[first : first + len(rows)] = o.view(num_kv_heads, len(rows), group, head_size).transpose(0, 1)
         part_m[first : first + len(rows)] = m.view(num_kv_heads, len(rows), group).transpose(0, 1)
@@ -134,8 +159,11 @@ def tpp_decode(
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
     keys = k_cache[blocks, :, pos % block_size].float()  # [B, L, num_kv_heads, D]
     values = v_cache[blocks, :, pos % block_size].float()
+    bias = None
+    if slopes is not None:  # [B, num_kv_heads, group, L]
+        bias = _alibi_bias(slopes[None, :, :, None], pos[:, None, None, :], query_pos[:, None, None, None])
     o, m, n = _partial_attention(
-        q, keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3), valid[:, None, None, :], logits_soft_cap
+        q, keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3), valid[:, None, None, :], logits_soft_cap, bias
     )  # o [B, num_kv_heads, group, D]
 
     # Merge: each request's node partials (depth <= tree depth) and its own part.
@@ -148,7 +176,9 @@ def tpp_decode(
     all_o = torch.cat([part_o[rows], o[:, None]], dim=1)
     all_m = torch.cat([part_m[rows].masked_fill(~has[..., None, None], float("-inf")), m[:, None]], dim=1)
     all_n = torch.cat([part_n[rows], n[:, None]], dim=1)
-    merged_o, _, merged_n = _merge(all_o, all_m, all_n, dim=1)
+    merged = _merge(all_o, all_m, all_n, dim=1)
+    sink_logits = sinks.to(device).float().view(num_kv_heads, group) if sinks is not None else None
+    merged_o, _, merged_n = _merge_sinks(*merged, sink_logits)
     result = _normalise(merged_o, merged_n).view(batch, num_heads, head_size)
     if out is None:
         return result.to(query.dtype)
@@ -166,11 +196,14 @@ def paged_prefill(
     out: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context
     (prefill, chunked prefill, and prefill after a prefix-cache hit alike);
     with sliding_window W > 0, over the last W positions of each token;
-    logits_soft_cap c > 0 caps the scores (reference.py).
+    logits_soft_cap c > 0 caps the scores; sinks and alibi_slopes
+    [num_heads] as reference.py.
 
     query [T, num_heads, D] holds the requests' rows back to back;
     query_start_loc has len(seq_lens) + 1 entries. Writes into out [T, num_heads, D].
@@ -195,7 +228,16 @@ def paged_prefill(
         mask = key_pos <= q_pos[:, None]
         if sliding_window:
             mask &= key_pos > q_pos[:, None] - sliding_window
-        o, _, n = _partial_attention(q, keys, values, mask[None], logits_soft_cap)
+        bias = None
+        if alibi_slopes is not None:  # rows (group, token) of each KV head
+            row_slopes = alibi_slopes.to(query.device).view(num_kv_heads, group, 1).expand(-1, -1, num_new)
+            bias = _alibi_bias(row_slopes.reshape(num_kv_heads, -1, 1), key_pos, q_pos[:, None])
+        state = _partial_attention(q, keys, values, mask[None], logits_soft_cap, bias)
+        row_sinks = None
+        if sinks is not None:
+            row_sinks = sinks.to(query.device).float().view(num_kv_heads, group, 1).expand(-1, -1, num_new)
+            row_sinks = row_sinks.reshape(num_kv_heads, -1)
+        o, _, n = _merge_sinks(*state, row_sinks)
         o = (o / n.unsqueeze(-1)).view(num_kv_heads, group, num_new, head_size)
         out[q_begin:q_end] = o.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_size).to(out.dtype)
     return out

@@ -50,10 +50,15 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole context,
     or with `sliding_window` W > 0 over its last W positions (p - W + 1 .. p);
-    with `logits_soft_cap` c > 0 each scaled score s becomes c * tanh(s / c).
+    with `logits_soft_cap` c > 0 each scaled score s becomes c * tanh(s / c);
+    with `alibi_slopes` [num_heads], the score of key position k for a query
+    at position p then gains slope * (k - p); with `sinks` [num_heads], each
+    head's softmax has one more term exp(sink) in its denominator.
 
     query:           [num_tokens, num_heads, head_size]
     query_start_loc: [num_reqs + 1]; request i owns query rows qsl[i]:qsl[i+1]
@@ -80,11 +85,17 @@ def paged_attention(
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - num_new, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.double().view(-1, 1, 1) * (k_pos - q_pos)
         hidden = k_pos > q_pos
         if sliding_window:
             hidden |= k_pos <= q_pos - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more column: the sink, whose value is 0
+            sink_column = sinks.double().view(-1, 1, 1).expand(-1, num_new, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 
