@@ -200,46 +200,79 @@ def test_seeded_samples_do_not_depend_on_prefill_chunking(runs):
     assert [r["tokens"] for r in chunked["results"]] == [r["tokens"] for r in whole["results"]]
 
 
-# Per attention variant: config.json changes that take a feature away from
-# the same weights, each of which must change the outputs (else agreeing with
-# stock would not show the feature works).
-WITHOUT = {
-    "float32-window80-block32": {"the window": {"sliding_window": None, "layer_types": None}},
-    "float32-gemma2-block32": {"soft-capping": {"attn_logit_softcapping": None},
-                               "the window": {"layer_types": ["full_attention", "full_attention"]}},
+# Per attention variant: the KV cache groups vLLM makes (one per kind of
+# layer), and changes that take a feature away from the same model, each of
+# which must change the outputs (else agreeing with stock would not show the
+# feature works): config.json keys, or tensors of the weights set to a value.
+# Each feature is taken away once (a run each: CI time), on the model that
+# brings it first; BLOOM's ALiBi cannot be taken away from its implementation,
+# and the kernel tests show its bias matters
+# (test_tpp_decode_sinks_and_alibi_across_node_splits).
+VARIANT_CHECKS = {
+    "float32-window80-block32": dict(groups=2, without={"the window": {"sliding_window": None, "layer_types": None}}),
+    "float32-gemma2-block32": dict(groups=2, without={"soft-capping": {"attn_logit_softcapping": None}}),
+    "float32-gemma3-block32": dict(groups=2, without={}),
+    "float32-mistral-block32": dict(groups=1, without={}),
+    "float32-bloom-block32": dict(groups=1, without={}),
+    # A sink of -1e4 takes no share of any softmax: the model without sinks.
+    "float32-gptoss-block32": dict(groups=2, without={"the sinks": {"tensors": {"self_attn.sinks": -1e4}}}),
 }
 
 
-@pytest.mark.parametrize("name", list(WITHOUT))
-def test_attention_variants_match_stock(runs, tmp_path_factory, name):
-    """Models whose first layer has an 80-token window and second global
-    attention (Gemma 2's and gpt-oss's interleaving; tiny-gemma2 also caps its
-    logits, through vLLM's Gemma 2 implementation): vLLM gives each kind of
-    layer its own KV cache group, so two metadata builders, both sharing.
-    Identical tokens and logprobs within 1e-3 against stock; and each feature
-    matters to these prompts: the same weights without it give other logprobs."""
+def _model_without(model_dir: str, out_dir, change: dict) -> str:
+    """A copy of the model with `change` applied: config.json keys, and under
+    "tensors", every weight whose name ends so set to one value."""
     import json
     import shutil
 
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    change = dict(change)
+    tensors = change.pop("tensors", {})
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, **change}))
+    if tensors:
+        weights = load_file(out_dir / "model.safetensors")
+        for suffix, value in tensors.items():
+            names = [n for n in weights if n.endswith(suffix)]
+            assert names, f"no weight ends with {suffix}"
+            for n in names:
+                weights[n][...] = value
+        save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return str(out_dir)
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CHECKS))
+def test_attention_variants_match_stock(runs, tmp_path_factory, name):
+    """vLLM's own implementations of models whose attention goes beyond plain
+    causal (testing/models.py ATTENTION_VARIANTS): sliding windows (an 80-token
+    window interleaved with global layers, which vLLM puts in KV cache groups
+    of their own, so two metadata builders, both sharing; or on every layer),
+    logits soft-capping (Gemma 2), ALiBi (BLOOM) and attention sinks (gpt-oss).
+    Identical tokens and logprobs within 1e-3 against stock; and each feature
+    matters to these prompts: the same model without it gives other logprobs."""
     from vllm_chunkattn.testing.e2e_runs import VARIANT_CONFIGS, run_workload
     from vllm_chunkattn.testing.models import ATTENTION_VARIANTS, ensure_model
 
     model, *_, logprob_atol, near_tie = VARIANT_CONFIGS[name]
+    checks = VARIANT_CHECKS[name]
     stock, chunk = runs(name, "stock"), runs(name, "chunk")
     assert "Using CHUNK backend" in chunk["log"]
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     assert not report["problems"], "\n".join(report["problems"][:20])
     assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
     assert stock["chat"] == chunk["chat"]
-    assert max(r["prompt_tokens"] for r in chunk["results"]) > 4 * ATTENTION_VARIANTS[model]["sliding_window"]
+    # Varied output: a model that repeats one token would hide most attention bugs.
+    varied = [len(set(r["tokens"])) > 2 for r in chunk["results"]]
+    assert sum(varied) >= len(varied) / 2, [r["tokens"] for r in chunk["results"]]
+    if window := ATTENTION_VARIANTS[model].get("sliding_window"):
+        assert max(r["prompt_tokens"] for r in chunk["results"]) > 4 * window
     summaries = chunk["decode_summaries"]
-    assert len(summaries) == 2, chunk["log"][-3000:]  # the windowed layer's group and the global one's
+    assert len(summaries) == checks["groups"], chunk["log"][-3000:]  # one per KV cache group
     assert all(s.mean_nodes > 0 for s in summaries), summaries
 
-    for feature, change in WITHOUT[name].items():
-        other_dir = tmp_path_factory.mktemp("variant") / "model"
-        shutil.copytree(ensure_model(model), other_dir)
-        config = json.loads((other_dir / "config.json").read_text())
-        (other_dir / "config.json").write_text(json.dumps({**config, **change}))
-        other = run_workload(tmp_path_factory, name, "chunk", extra_args=("--model", str(other_dir)))
+    for feature, change in checks["without"].items():
+        other_dir = _model_without(ensure_model(model), tmp_path_factory.mktemp("variant") / "model", change)
+        other = run_workload(tmp_path_factory, name, "chunk", extra_args=("--model", other_dir))
         assert compare_runs(chunk, other, logprob_atol, near_tie)["problems"], f"{feature} changed nothing"

@@ -297,10 +297,24 @@ def test_a_sliding_window_hides_the_leading_tokens_from_the_roofline():
 
 
 @pytest.mark.parametrize("argv", [["--grid", "prefill", "--sliding-window", "64"],
-                                  ["--sliding-window", "64"], ["--grid", "table3", "--sliding-window", "-1"]])
-def test_kernel_bench_refuses_a_window_it_would_not_apply(argv, capsys):
+                                  ["--sliding-window", "64"], ["--grid", "table3", "--sliding-window", "-1"],
+                                  ["--grid", "relay", "--sinks"]])
+def test_kernel_bench_refuses_a_variant_it_would_not_apply(argv, capsys):
     from vllm_chunkattn.bench import kernel
 
     with pytest.raises(SystemExit):
         kernel.main(argv)
-    assert "--sliding-window" in capsys.readouterr().err
+    assert ("--sinks" if "--sinks" in argv else "--sliding-window") in capsys.readouterr().err
+
+
+def test_kernel_bench_with_sinks_agrees_with_vllms_kernel(tmp_path):
+    """--sinks: every head has a sink logit, in ours and in vLLM's kernel (its s_aux); the run checks the two
+    agree before it times them, so a sink merged differently fails it."""
+    code = kernel.main(["--quick", "--grid", "tree", "--dtype", "fp32", "--impls", "ours,PagedAttn*", "--repeats", "2",
+                        "--warmup", "1", "--sinks", "--sliding-window", "100", "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["disagreements"] == [] and results["environment"]["sinks"] is True
+    timed = [r for r in results["records"] if r["impl"] in ("ours", "PagedAttn*")]
+    assert timed and all(r["sinks"] and r["window"] == 100 for r in timed)
+    assert "with an attention sink" in (tmp_path / "table.md").read_text()

@@ -98,6 +98,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -151,6 +152,7 @@ class Workload:
     dtype: str
     name: str = ""  # the serving benchmark's workload, for the serve grid
     window: int = 0  # vLLM's sliding window (--sliding-window); 0: none
+    sinks: bool = False  # a sink logit per head (--sinks), as gpt-oss's
 
     @property
     def kv_heads(self) -> int:
@@ -176,7 +178,7 @@ class Workload:
     def label(self) -> str:
         return (f"{self.grid}{' ' + self.name if self.name else ''} {self.dtype} b={self.batch} n_p={self.n_p} "
                 f"n_s={self.n_s} n_c={self.n_c} h={self.heads} d={self.head_dim} c={self.chunk}"
-                + (f" W={self.window}" if self.window else ""))
+                + (f" W={self.window}" if self.window else "") + (" sinks" if self.sinks else ""))
 
 
 def serve_points(dtype: str, quick: bool) -> list[Workload]:
@@ -481,8 +483,11 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
     shape = DecodeShape.of_layer(query, cache)
     plan = ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx)
 
+    # Sinks near the log of the keys' count: each takes a real share of its head's softmax.
+    sinks = (torch.from_numpy(rng.standard_normal(w.heads)).float() + math.log(w.context)) if w.sinks else None
+
     def ours() -> torch.Tensor:
-        ops.tpp_decode(query, cache, plan, scale, ours_out, w.window)
+        ops.tpp_decode(query, cache, plan, scale, ours_out, w.window, sinks=sinks)
         return ours_out
 
     candidates.append(Candidate("ours", ours, repeats, timed="ours" in impls))
@@ -511,7 +516,7 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
                 vops.cpu_attention_with_kv_cache(
                     query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
                     seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=w.window or -1,
-                    block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+                    block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=sinks)
                 return out
 
             return step
@@ -521,9 +526,9 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
                 candidates.append(Candidate(name, paged(tables[name]), repeats))
 
     dense = [i for i in DENSE_IMPLS if i in impls]
-    if dense and w.window:
+    if dense and (w.window or w.sinks):
         for name in dense:
-            skipped[name] = "the dense baselines have no sliding window"
+            skipped[name] = "the dense baselines have no sliding window or sinks"
         dense = []
     if dense:
         block_bytes = w.heads * w.chunk * 2 * w.head_dim * element_size(w.dtype)
@@ -895,14 +900,14 @@ class PlannedPoint:
         return self.point.label()
 
 
-def plan(grids: list[str], dtypes: list[str], quick: bool, window: int = 0) -> list[PlannedPoint]:
+def plan(grids: list[str], dtypes: list[str], quick: bool, window: int = 0, sinks: bool = False) -> list[PlannedPoint]:
     planned = []
     for grid in grids:
         for dtype in dtypes:
             points_of = {"prefill": prefill_points, "relay": relay_points}.get(grid)
             points = points_of(dtype, quick) if points_of else grid_points(grid, dtype, quick)
-            if window:
-                points = [dataclasses.replace(p, window=window) for p in points]
+            if window or sinks:
+                points = [dataclasses.replace(p, window=window, sinks=sinks) for p in points]
             planned += [PlannedPoint(grid, p) for p in points]
     return planned
 
@@ -934,6 +939,8 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
     if env.get("sliding_window"):
         lines += [f"**Every layer with a sliding window of {env['sliding_window']} tokens (`--sliding-window`), "
                   "ours and vLLM's; the roofline counts the keys inside it.**", ""]
+    if env.get("sinks"):
+        lines += ["**Every head with an attention sink (`--sinks`, gpt-oss's), ours and vLLM's.**", ""]
     if env.get("vllm_kernel_libraries"):
         lines += [f"vLLM's kernels loaded from: {', '.join(env['vllm_kernel_libraries'])}", ""]
     lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
@@ -1027,13 +1034,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sliding-window", type=int, default=0, metavar="W",
                         help="decode grids only: every layer with vLLM's sliding window W (each query sees its "
                              "last W keys), ours and vLLM's alike; 0: none")
+    parser.add_argument("--sinks", action="store_true",
+                        help="decode grids only: every head with an attention sink (gpt-oss's learned logit), "
+                             "ours and vLLM's alike")
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
     if args.sliding_window < 0:
         parser.error("--sliding-window must be >= 0")
-    if args.sliding_window and args.grid in ("prefill", "relay", "all"):
-        parser.error(f"--sliding-window applies to the decode grids; choose one of "
-                     f"{', '.join(g for g in GRIDS if g not in ('prefill', 'relay'))}")
+    for flag, used in (("--sliding-window", args.sliding_window), ("--sinks", args.sinks)):
+        if used and args.grid in ("prefill", "relay", "all"):
+            parser.error(f"{flag} applies to the decode grids; choose one of "
+                         f"{', '.join(g for g in GRIDS if g not in ('prefill', 'relay'))}")
     if args.device == "cuda":
         sys.exit(run_on_gpu(args))
     if args.as_avx2_cpu:
@@ -1073,7 +1084,8 @@ def main(argv: list[str] | None = None) -> int:
     print(machine.rates_line("machine rates at the start", rates[0]), flush=True)
     env = {
         "threads": threads, "loadavg_start": os.getloadavg(), "flush_cache": not args.warm,
-        "clock": args.clock, "sliding_window": args.sliding_window, "repeats": args.repeats, "warmup": args.warmup, "argv": sys.argv if argv is None else
+        "clock": args.clock, "sliding_window": args.sliding_window, "sinks": args.sinks, "repeats": args.repeats,
+        "warmup": args.warmup, "argv": sys.argv if argv is None else
         ["kernel.py", *argv], "impls": impls, "as_avx2_cpu": args.as_avx2_cpu,
     }
     if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
@@ -1081,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
               f"machine, timings will be noisy", flush=True)
 
     flush = None if args.warm else CacheFlusher(machine_record)
-    planned = plan(grids, dtypes, args.quick, args.sliding_window)
+    planned = plan(grids, dtypes, args.quick, args.sliding_window, args.sinks)
     progress = Progress([point_roofline(p.point, rates, True, machine_record, unshared=True).bound_ms
                          for p in planned])
     rng = np.random.default_rng(0)
@@ -1129,7 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = dict(grid=planned_point.grid, workload=p.name or None, n_p=p.n_p, n_s=p.n_s, n_c=p.n_c,
                         batch=p.batch, heads=p.heads, head_dim=p.head_dim, chunk=p.chunk, dtype=p.dtype,
-                        segments=p.segments, window=p.window)
+                        segments=p.segments, window=p.window, sinks=p.sinks)
         base["cpu_tuning"] = dataclasses.asdict(tunings[point_shape(p)])
         roofline_record = dict(base, impl="roofline", median_ms=bound.bound_ms, min_ms=bound.bound_ms,
                                max_ms=bound.bound_ms, **dataclasses.asdict(bound), memory_ms=bound.memory_ms,

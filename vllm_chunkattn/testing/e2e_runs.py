@@ -25,6 +25,10 @@ CONFIGS = {
 VARIANT_CONFIGS = {
     "float32-window80-block32": ("tiny-window", "float32", 32, None, 1e-3, 0.0),
     "float32-gemma2-block32": ("tiny-gemma2", "float32", 32, None, 1e-3, 0.0),
+    "float32-gemma3-block32": ("tiny-gemma3", "float32", 32, None, 1e-3, 0.0),
+    "float32-mistral-block32": ("tiny-mistral", "float32", 32, None, 1e-3, 0.0),
+    "float32-bloom-block32": ("tiny-bloom", "float32", 32, None, 1e-3, 0.0),
+    "float32-gptoss-block32": ("tiny-gptoss", "float32", 32, None, 1e-3, 0.0),
 }
 
 

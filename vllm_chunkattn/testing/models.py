@@ -2,7 +2,8 @@
 
 No model hub is reachable where this project is tested, so every model is
 generated locally: a byte-level BPE tokenizer trained on a synthetic English
-corpus plus random (but carefully scaled) Llama weights. Results are cached on
+corpus plus random (but carefully scaled) Llama weights, or weights for one of
+the other vLLM model implementations in ATTENTION_VARIANTS. Results are cached on
 disk; ``ensure_model("tiny")`` returns a directory that vLLM loads directly.
 
     python -m vllm_chunkattn.testing.models [NAME ...] [--root DIR]
@@ -26,7 +27,7 @@ from pathlib import Path
 
 # Bump when the generator changes in a way that alters the files it writes;
 # the stamp is part of the cache directory name, so stale caches are ignored.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 # name: hidden, heads, head_dim, kv_heads, layers, intermediate, max_positions
 SPECS: dict[str, dict[str, int]] = {
@@ -39,6 +40,10 @@ SPECS: dict[str, dict[str, int]] = {
         "tiny-d128": (512, 4, 128, 2, 2, 1024, 4096),   # GQA, head_dim 128
         "tiny-window": (256, 4, 64, 2, 2, 512, 4096),   # tiny with a sliding-window layer (below)
         "tiny-gemma2": (256, 4, 64, 2, 2, 512, 4096),   # vLLM's Gemma 2: window, soft-capping (below)
+        "tiny-gemma3": (256, 4, 64, 2, 2, 512, 4096),   # vLLM's Gemma 3: window, q/k norms, two rope thetas
+        "tiny-mistral": (256, 4, 64, 2, 2, 512, 4096),  # tiny as Mistral: a window on every layer
+        "tiny-bloom": (256, 4, 64, 4, 2, 1024, 4096),   # vLLM's BLOOM: ALiBi, MHA (its MLP is 4x hidden)
+        "tiny-gptoss": (256, 4, 64, 2, 2, 256, 4096),   # vLLM's gpt-oss: sinks, window, MoE (4 experts, top 2)
         "bench":     (2048, 16, 128, 16, 2, 1024, 8192),  # Llama-2-7B attention, small MLP
         # The serving benchmark's default: shaped like a served model (Llama-3-8B
         # scaled down: GQA 4:1, head_dim 128, MLP 3.5x hidden), so attention's
@@ -53,12 +58,36 @@ SPECS: dict[str, dict[str, int]] = {
 # "tiny-gemma2" is vLLM's Gemma 2 implementation (its norms, tied embeddings
 # and scaling) with that interleaving and logits soft-capping; its cap of 2 is
 # far below Gemma 2's 50 so that it changes these small random scores.
+# The other entries are further vLLM model implementations, each for the
+# attention it brings: Gemma 3 (q/k norms, a rope theta per layer type),
+# Mistral (with no layer_types vLLM gives every layer the window), BLOOM
+# (ALiBi slopes instead of rope) and gpt-oss (a learned sink logit per head,
+# the window on even layers as vLLM hard-codes it, YaRN rope, MoE MLP).
 ATTENTION_VARIANTS: dict[str, dict] = {
     "tiny-window": {"sliding_window": 80, "layer_types": ["sliding_attention", "full_attention"]},
     "tiny-gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 80,
                     "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 2.0,
                     "final_logit_softcapping": None, "query_pre_attn_scalar": 64,
                     "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "tiny-gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 80,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                    # transformers 4.x spells the two thetas so
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "query_pre_attn_scalar": 64, "hidden_activation": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True},
+    "tiny-mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 80},
+    "tiny-bloom": {"architectures": ["BloomForCausalLM"], "model_type": "bloom", "layer_norm_epsilon": 1e-5,
+                   "apply_residual_connection_post_layernorm": False, "tie_word_embeddings": True},
+    "tiny-gptoss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "sliding_window": 80,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": True,
+                    "swiglu_limit": 7.0,
+                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                        "original_max_position_embeddings": 4096}},
 }
 
 # What the benchmarks' --model-name choices are, for their help texts.
@@ -206,27 +235,72 @@ def _build_tokenizer():
 
 
 def _build_weights(spec: dict, vocab: int, seed: int, variant: dict) -> dict:
+    """Random weights named and shaped as the variant's model type's HF
+    checkpoints are (what vLLM's load_weights for it reads)."""
     import numpy as np
-
-    gemma = variant.get("model_type") == "gemma2"  # norms scale by 1 + weight; two more per layer; tied lm_head
 
     rng = np.random.default_rng(seed)
 
     def rand(rows: int, cols: int, gain: float) -> np.ndarray:
         return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(gain / cols ** 0.5)
 
-    h, inter = spec["hidden_size"], spec["intermediate_size"]
-    q_out = spec["num_attention_heads"] * spec["head_dim"]
-    kv_out = spec["num_key_value_heads"] * spec["head_dim"]
-    ones = np.zeros(h, dtype=np.float32) if gemma else np.ones(h, dtype=np.float32)
-    w = {"model.embed_tokens.weight": rand(vocab, h, EMBED_STD * h ** 0.5)}  # std EMBED_STD
+    build = {"bloom": _bloom_weights, "gpt_oss": _gptoss_weights}.get(variant.get("model_type"), _llama_weights)
+    return build(spec, vocab, variant, rng, rand)
+
+
+def _no_special_logits(out_embedding) -> None:
+    """Zero logits for special tokens: random logits have std ~LM_HEAD_GAIN, so
+    the max over the vocab is far above 0 and greedy decoding never emits
+    EOS/PAD early; generations always run to max_tokens. With tied embeddings
+    the output embedding is the input one, so those tokens also embed to zero
+    (harmless: every norm here has an epsilon)."""
+    out_embedding[: len(SPECIAL_TOKENS)] = 0.0
+
+
+# Tied embeddings: a token's logit is its embedding's dot product with the
+# final hidden state, which holds the current token's own embedding (the
+# residual stream starts with it). With that embedding as large as attention's
+# share, the current token outscores the rest and greedy output repeats it.
+# So the tied models scale their embeddings into the residual stream to
+# EMBED_STD / LM_HEAD_GAIN, and scale the logits' side (Gemma's final norm,
+# BLOOM's raw embeddings, which a LayerNorm takes into the stream) to keep
+# logits at std ~LM_HEAD_GAIN.
+TIED_EMBED_RMS = EMBED_STD / LM_HEAD_GAIN
+
+
+def _llama_weights(spec: dict, vocab: int, variant: dict, rng, rand) -> dict:
+    """Llama, Mistral, Gemma 2 and Gemma 3 (norms scale by 1 + weight, two more
+    norms per layer, tied lm_head; Gemma 3 also RMS-normalizes q and k)."""
+    import numpy as np
+
+    model_type = variant.get("model_type", "llama")
+    gemma = model_type in ("gemma2", "gemma3_text")
+    gemma3 = model_type == "gemma3_text"
+    h, inter, head_dim = spec["hidden_size"], spec["intermediate_size"], spec["head_dim"]
+    q_out = spec["num_attention_heads"] * head_dim
+    kv_out = spec["num_key_value_heads"] * head_dim
+
+    def norm(gain: float, n: int = h) -> np.ndarray:  # a norm's weight scaling by `gain`
+        return np.full(n, gain - 1.0 if gemma else gain, dtype=np.float32)
+
+    ones = norm(1.0)
+    # Gemma multiplies embeddings by sqrt(hidden) on the way in.
+    embed_std = TIED_EMBED_RMS / h ** 0.5 if gemma else EMBED_STD
+    w = {"model.embed_tokens.weight": rand(vocab, h, embed_std * h ** 0.5)}  # std embed_std
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = ones
-        w[p + "post_attention_layernorm.weight"] = ones
+        # Gemma's post-norms take attention's and the MLP's outputs to rms 1;
+        # these scale them back to what Llama's are with these gains.
+        w[p + "post_attention_layernorm.weight"] = norm(VO_GAIN ** 2) if gemma else ones
         if gemma:
             w[p + "pre_feedforward_layernorm.weight"] = ones
-            w[p + "post_feedforward_layernorm.weight"] = ones
+            w[p + "post_feedforward_layernorm.weight"] = norm(MLP_GAIN ** 2)
+        if gemma3:
+            # q and k are normalized to rms 1 per head, which would undo QK_GAIN
+            # (and leave attention near-uniform): their norms put it back.
+            w[p + "self_attn.q_norm.weight"] = norm(QK_GAIN, head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(QK_GAIN, head_dim)
         w[p + "self_attn.q_proj.weight"] = rand(q_out, h, QK_GAIN)
         w[p + "self_attn.k_proj.weight"] = rand(kv_out, h, QK_GAIN)
         w[p + "self_attn.v_proj.weight"] = rand(kv_out, h, VO_GAIN)
@@ -234,16 +308,88 @@ def _build_weights(spec: dict, vocab: int, seed: int, variant: dict) -> dict:
         w[p + "mlp.gate_proj.weight"] = rand(inter, h, MLP_GAIN)
         w[p + "mlp.up_proj.weight"] = rand(inter, h, MLP_GAIN)
         w[p + "mlp.down_proj.weight"] = rand(h, inter, MLP_GAIN)
-    w["model.norm.weight"] = ones
-    lm_head = rand(vocab, h, LM_HEAD_GAIN)
-    # Zero logits for special tokens: random logits have std ~LM_HEAD_GAIN, so
-    # the max over the vocab is far above 0 and greedy decoding never emits
-    # EOS/PAD early; generations always run to max_tokens.
-    lm_head[: len(SPECIAL_TOKENS)] = 0.0
-    if gemma:  # the logits come from the embeddings: zero the special tokens' rows there
-        w["model.embed_tokens.weight"][: len(SPECIAL_TOKENS)] = 0.0
+    # Gemma's logits: final hidden state (rms: this gain) . embedding (std embed_std).
+    w["model.norm.weight"] = norm(LM_HEAD_GAIN / (embed_std * h ** 0.5)) if gemma else ones
+    lm_head = rand(vocab, h, LM_HEAD_GAIN)  # drawn even when tied, so later draws stay put
+    if gemma:
+        _no_special_logits(w["model.embed_tokens.weight"])
     else:
+        _no_special_logits(lm_head)
         w["lm_head.weight"] = lm_head
+    return w
+
+
+def _bloom_weights(spec: dict, vocab: int, variant: dict, rng, rand) -> dict:
+    """BLOOM: LayerNorms with biases (also one on the embeddings), a fused qkv
+    with biases, a plain GELU MLP of 4x hidden, lm_head tied to the embeddings."""
+    import numpy as np
+
+    h, heads, head_dim = spec["hidden_size"], spec["num_attention_heads"], spec["head_dim"]
+    assert heads * head_dim == h and spec["intermediate_size"] == 4 * h, "BLOOM derives both from hidden_size"
+    zeros = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
+
+    def ln(gain: float = 1.0) -> dict:
+        return {"weight": np.full(h, gain, dtype=np.float32), "bias": zeros(h)}
+
+    # The embeddings are drawn as an lm_head (logits std ~LM_HEAD_GAIN with a
+    # unit ln_f); a LayerNorm takes them into the residual stream, at
+    # TIED_EMBED_RMS.
+    w = {"transformer.word_embeddings.weight": rand(vocab, h, LM_HEAD_GAIN)}
+    w.update({f"transformer.word_embeddings_layernorm.{k}": v for k, v in ln(TIED_EMBED_RMS).items()})
+    for i in range(spec["num_hidden_layers"]):
+        p = f"transformer.h.{i}."
+        # HF's fused qkv rows are per head: (heads, q/k/v, head_dim); vLLM regroups them.
+        q, k, v = (rand(h, h, gain).reshape(heads, 1, head_dim, h) for gain in (QK_GAIN, QK_GAIN, VO_GAIN))
+        w[p + "self_attention.query_key_value.weight"] = np.concatenate([q, k, v], axis=1).reshape(3 * h, h)
+        w[p + "self_attention.query_key_value.bias"] = zeros(3 * h)
+        w[p + "self_attention.dense.weight"] = rand(h, h, VO_GAIN)
+        w[p + "self_attention.dense.bias"] = zeros(h)
+        w[p + "mlp.dense_h_to_4h.weight"] = rand(4 * h, h, MLP_GAIN)
+        w[p + "mlp.dense_h_to_4h.bias"] = zeros(4 * h)
+        w[p + "mlp.dense_4h_to_h.weight"] = rand(h, 4 * h, MLP_GAIN)
+        w[p + "mlp.dense_4h_to_h.bias"] = zeros(h)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w.update({f"{p}{norm}.{k}": v for k, v in ln().items()})
+    w.update({f"transformer.ln_f.{k}": v for k, v in ln().items()})
+    _no_special_logits(w["transformer.word_embeddings.weight"])
+    return w
+
+
+def _gptoss_weights(spec: dict, vocab: int, variant: dict, rng, rand) -> dict:
+    """gpt-oss, unquantized: attention with biases and a sink logit per head;
+    a routed MoE whose experts are stacked as (in, out) matrices, gate and up
+    fused (HF interleaves their columns; random weights need not care)."""
+    import numpy as np
+
+    h, inter, head_dim = spec["hidden_size"], spec["intermediate_size"], spec["head_dim"]
+    heads, experts = spec["num_attention_heads"], variant["num_local_experts"]
+    q_out, kv_out = heads * head_dim, spec["num_key_value_heads"] * head_dim
+    ones = np.ones(h, dtype=np.float32)
+    zeros = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+    w = {"model.embed_tokens.weight": rand(vocab, h, EMBED_STD * h ** 0.5)}
+    for i in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = ones
+        w[p + "post_attention_layernorm.weight"] = ones
+        for proj, rows, cols, gain in (("q", q_out, h, QK_GAIN), ("k", kv_out, h, QK_GAIN),
+                                       ("v", kv_out, h, VO_GAIN), ("o", h, q_out, VO_GAIN)):
+            w[p + f"self_attn.{proj}_proj.weight"] = rand(rows, cols, gain)
+            w[p + f"self_attn.{proj}_proj.bias"] = zeros(rows)
+        # A sink is one more logit in each head's softmax, with no value; it
+        # takes a share of the weight only if it is near the logsumexp of the
+        # q.k logits. Those have std ~QK_GAIN**2 (more with YaRN's scaling),
+        # their logsumexp over a few hundred keys ~4x that: sinks around it
+        # take none, part or all of a head's weight depending on the query.
+        w[p + "self_attn.sinks"] = (4.0 + rng.standard_normal(heads, dtype=np.float32)) * np.float32(QK_GAIN ** 2)
+        w[p + "mlp.router.weight"] = rand(experts, h, MLP_GAIN)
+        w[p + "mlp.router.bias"] = zeros(experts)
+        w[p + "mlp.experts.gate_up_proj"] = np.stack([rand(2 * inter, h, MLP_GAIN).T for _ in range(experts)])
+        w[p + "mlp.experts.gate_up_proj_bias"] = zeros(experts, 2 * inter)
+        w[p + "mlp.experts.down_proj"] = np.stack([rand(h, inter, MLP_GAIN).T for _ in range(experts)])
+        w[p + "mlp.experts.down_proj_bias"] = zeros(experts, h)
+    w["model.norm.weight"] = ones
+    w["lm_head.weight"] = rand(vocab, h, LM_HEAD_GAIN)
+    _no_special_logits(w["lm_head.weight"])
     return w
 
 
