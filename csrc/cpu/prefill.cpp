@@ -29,7 +29,7 @@
 #include <unordered_set>
 
 #include "chunkattn.h"
-#include "common/attention_variant.h"
+#include "common/attention_variant_args.h"
 #include "common/partial_state.h"
 #include "cpu/driver_utils.h"
 #include "cpu/kernels.h"

@@ -49,7 +49,7 @@
 #include <thread>
 
 #include "chunkattn.h"
-#include "common/attention_variant.h"
+#include "common/attention_variant_args.h"
 #include "common/partial_state.h"
 #include "cpu/driver_utils.h"
 #include "cpu/kernels.h"

@@ -73,6 +73,29 @@ struct SmemLayout {
   static_assert(kKvTile % 16 == 0 && D % 16 == 0, "tiles are multiples of the MMA shape");
 };
 
+// How a score q.k becomes the softmax's logit (log2 domain), and which
+// positions a row sees beyond the causal mask: the attention variants of
+// common/attention_variant.h (csrc/chunkattn.h), in the kernels' terms.
+struct ScoreMod {
+  float scale_log2;                     // scale * log2(e)
+  float cap_log2 = 0.f;                 // soft-cap c * log2(e); 0: none
+  float cap_scale = 0.f;                // scale / c: the logit is cap_log2 * tanh(q.k * cap_scale)
+  int window = 0;                       // a row at position p sees p - window + 1 .. p; 0: none
+  const float* alibi_slopes = nullptr;  // per query head: the logit gains slope * (key - p) (natural units)
+};
+
+inline ScoreMod score_mod(const AttentionVariant& v) {
+  ScoreMod mod;
+  mod.scale_log2 = v.scale * kLog2e;
+  if (v.logits_soft_cap > 0.f) {
+    mod.cap_log2 = v.logits_soft_cap * kLog2e;
+    mod.cap_scale = v.scale / v.logits_soft_cap;
+  }
+  mod.window = static_cast<int>(v.sliding_window);
+  mod.alibi_slopes = v.alibi_slopes;
+  return mod;
+}
+
 // Where one sequence's keys and values are: the cache, its block-table row,
 // and the KV head.
 template <typename T>
@@ -85,18 +108,20 @@ struct KvSource {
 };
 
 // Attend rows [0, num_rows) (num_rows <= 64) to positions [t_begin, t_end).
-//   q_row(r)     -> const T*: the head_size query elements of row r (16-byte aligned)
-//   row_limit(r) -> int: last position row r may see (used when kCausal)
+//   q_row(r)    -> const T*: the head_size query elements of row r (16-byte aligned)
+//   row_pos(r)  -> int: row r's query position: with kCausal the last position
+//                  it sees; also its window's end and ALiBi's origin
+//   row_head(r) -> int: row r's query head (its ALiBi slope)
 //   epilogue(r, d, float4 o, float m, float n): for each row r < num_rows and
 //     column d (a multiple of 4): o = sum_j exp2(s_j - m) v_j[d..d+3] over the
 //     positions the row saw, m = max_j s_j, n = sum_j exp2(s_j - m), where
-//     s_j = (q . k_j) * scale_log2. A row that saw no position has m = -inf,
-//     n = 0, o = 0.
+//     s_j is the logit `mod` makes of q . k_j. A row that saw no position has
+//     m = -inf, n = 0, o = 0.
 // Must be called by all 128 threads of the block with the same arguments.
-template <typename T, int D, bool kCausal, class QRow, class RowLimit, class Epilogue>
+template <typename T, int D, bool kCausal, class QRow, class RowPos, class RowHead, class Epilogue>
 __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row, const KvSource<T>& kv,
-                                       int t_begin, int t_end, RowLimit row_limit, float scale_log2,
-                                       Epilogue epilogue) {
+                                       int t_begin, int t_end, RowPos row_pos, RowHead row_head,
+                                       const ScoreMod& mod, Epilogue epilogue) {
   using L = SmemLayout<D>;
   constexpr int kTile = L::kKvTile, kStages = L::kStages, kLd = L::kLd, kVecPerRow = D / 8;
   constexpr bool kQInRegisters = D <= 128;  // D = 256 re-reads Q from shared memory (registers)
@@ -146,10 +171,25 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = rg * 16 + g, row1 = row0 + 8;
   int limit0 = INT_MAX, limit1 = INT_MAX, warp_limit = INT_MAX;
+  int first0 = INT_MIN, first1 = INT_MIN;  // sliding window: first position seen
+  float slope0 = 0.f, slope1 = 0.f;        // ALiBi, log2 domain
+  int pos_r0 = 0, pos_r1 = 0;
+  if (kCausal || mod.window > 0 || mod.alibi_slopes) {
+    pos_r0 = row0 < num_rows ? row_pos(row0) : -1;
+    pos_r1 = row1 < num_rows ? row_pos(row1) : -1;
+  }
   if constexpr (kCausal) {
-    limit0 = row0 < num_rows ? row_limit(row0) : -1;
-    limit1 = row1 < num_rows ? row_limit(row1) : -1;
+    limit0 = pos_r0;
+    limit1 = pos_r1;
     warp_limit = __reduce_max_sync(0xffffffffu, max(limit0, limit1));
+  }
+  if (mod.window > 0) {
+    first0 = pos_r0 - mod.window + 1;
+    first1 = pos_r1 - mod.window + 1;
+  }
+  if (mod.alibi_slopes) {
+    slope0 = row0 < num_rows ? mod.alibi_slopes[row_head(row0)] * kLog2e : 0.f;
+    slope1 = row1 < num_rows ? mod.alibi_slopes[row_head(row1)] * kLog2e : 0.f;
   }
   float acc[D / 8][4];
 #pragma unroll
@@ -183,15 +223,16 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
         mma_16816<T>(s[0], a, b[0], b[1]);
         mma_16816<T>(s[1], a, b[2], b[3]);
       }
-      // scale, mask, row max
+      // logit (scale, soft-cap, ALiBi), mask, row max
       float max0 = kNegInf, max1 = kNegInf;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = pos0 + nt * 8 + 2 * t4 + (e & 1);
-          float v = s[nt][e] * scale_log2;
-          bool masked = pos >= t_end;
+          float v = mod.cap_log2 != 0.f ? mod.cap_log2 * tanhf(s[nt][e] * mod.cap_scale) : s[nt][e] * mod.scale_log2;
+          if (mod.alibi_slopes) v += (e < 2 ? slope0 : slope1) * static_cast<float>(pos - (e < 2 ? pos_r0 : pos_r1));
+          bool masked = pos >= t_end || pos < (e < 2 ? first0 : first1);
           if constexpr (kCausal) masked = masked || pos > (e < 2 ? limit0 : limit1);
           v = masked ? kNegInf : v;
           s[nt][e] = v;

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/attention_variant.h"
 #include "cuda/dispatch.h"
 
 namespace chunkattn::cuda {
@@ -70,7 +71,7 @@ struct DecodeArgs {
   const int* row_partials;         // [row_partial_offsets[batch]]
   int batch, num_heads, num_kv_heads, head_size, block_size;
   int num_nodes, num_partial_rows;
-  float scale;
+  AttentionVariant variant;  // scale, window, soft-cap; sinks and ALiBi slopes on the device
   int64_t out_stride_row, out_stride_head;      // elements
   int64_t query_stride_row, query_stride_head;  // elements
   int64_t cache_stride_block, cache_stride_head;
@@ -106,7 +107,7 @@ struct PrefillArgs {
   const int* seq_lens;         // [num_reqs]
   const int* block_table;      // [num_reqs, max_blocks]
   int num_tokens, num_reqs, num_heads, num_kv_heads, head_size, block_size;
-  float scale;
+  AttentionVariant variant;  // scale, window, soft-cap; sinks and ALiBi slopes on the device
   int64_t out_stride_row, out_stride_head;
   int64_t query_stride_row, query_stride_head;
   int64_t cache_stride_block, cache_stride_head;

@@ -18,8 +18,9 @@
 //    block (x, h) finds its request by binary search over tile_offsets (blocks
 //    past the last tile exit), stacks its tokens' G query heads into one tile
 //    (row = token * G + head) and runs attention.cuh over positions
-//    [0, last token's position] with the causal limit of every row.
-//    Normalised output straight into `out`.
+//    [0, last token's position] with the causal limit of every row (from the
+//    tile's earliest window on, with a sliding window). Normalised output,
+//    with the head's sink if any, straight into `out`.
 // Workspace: tile_offsets int [num_reqs + 1].
 #include <algorithm>
 
@@ -39,7 +40,8 @@ struct PrefillKernelParams {
   const int* seq_lens;
   const int* block_table;
   int num_reqs, num_heads, num_kv_heads, group, block_shift, tokens_per_tile;
-  float scale_log2;
+  ScoreMod mod;
+  const float* sinks;  // [num_heads] or null (natural units)
   int64_t out_stride_row, out_stride_head, query_stride_row, query_stride_head;
   int64_t cache_stride_block, cache_stride_head, block_table_stride;
   int* tile_offsets;
@@ -89,14 +91,18 @@ __global__ void __launch_bounds__(kThreads) prefill_attend_kernel(PrefillKernelP
   const KvSource<T> kv{static_cast<const T*>(p.kv_cache), p.cache_stride_block, p.cache_stride_head,
                        p.block_table + static_cast<int64_t>(req) * p.block_table_stride, h, p.block_shift};
   const int64_t row0 = static_cast<int64_t>(q_first) + u0;
+  // A sliding window: the tile's first token sees the earliest positions.
+  const int t_begin = p.mod.window > 0 ? max(0, context + u0 - p.mod.window + 1) : 0;
   attend<T, D, true>(
       smem, num_tokens * G,
       [&](int r) {
         return query + (row0 + r / G) * p.query_stride_row + static_cast<int64_t>(h * G + r % G) * p.query_stride_head;
       },
-      kv, 0, t_end, [&](int r) { return context + u0 + r / G; }, p.scale_log2,
+      kv, t_begin, t_end, [&](int r) { return context + u0 + r / G; }, [&](int r) { return h * G + r % G; }, p.mod,
       [&](int r, int d, float4 o, float m, float n) {
-        const float inv = inverse_sum(n);
+        PartialState state{m, n};
+        const float sink_scale = p.sinks ? merge_sink<Log2Exp>(state, p.sinks[h * G + r % G] * kLog2e) : 1.f;
+        const float inv = sink_scale * inverse_sum(state.n);
         store4<T>(out + (row0 + r / G) * p.out_stride_row + static_cast<int64_t>(h * G + r % G) * p.out_stride_head + d,
                   o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       });
@@ -125,7 +131,8 @@ void run_prefill(const PrefillArgs& a, void* workspace, cudaStream_t stream, siz
   p.group = a.num_heads / a.num_kv_heads;
   p.block_shift = log2_exact(a.block_size);
   p.tokens_per_tile = kMaxRows / p.group > 0 ? kMaxRows / p.group : 1;
-  p.scale_log2 = a.scale * kLog2e;
+  p.mod = score_mod(a.variant);
+  p.sinks = a.variant.sinks;
   p.out_stride_row = a.out_stride_row;
   p.out_stride_head = a.out_stride_head;
   p.query_stride_row = a.query_stride_row;

@@ -14,7 +14,7 @@
 
 #include "cuda/dispatch.h"
 #include "cuda/launch.h"
-#include "common/attention_variant.h"
+#include "common/attention_variant_args.h"
 #include "common/decode_plan.h"
 
 namespace chunkattn::cuda_ops {
@@ -68,16 +68,6 @@ void check_cache(const at::Tensor& kv_cache, const at::Tensor& query, const char
               "kv_cache: each block and KV head must be a contiguous [block_size, 2 * head_size] tile");
   TORCH_CHECK(is_aligned(kv_cache.data_ptr(), 16) && kv_cache.stride(0) % 8 == 0 && kv_cache.stride(1) % 8 == 0,
               "kv_cache must be 16-byte aligned with block/head strides that are multiples of 8 elements");
-}
-
-// The CUDA kernels have no sliding window, soft-capping, sinks or ALiBi yet;
-// the backend refuses such layers on CUDA at engine start (kernels/support.py),
-// this guards direct calls.
-void check_plain_causal(const AttentionVariant& variant, const char* op) {
-  TORCH_CHECK(variant.plain(), "chunkattn::", op, " on CUDA does not support a sliding window, logits "
-              "soft-capping, attention sinks or ALiBi yet (got window ", variant.sliding_window, ", cap ",
-              variant.logits_soft_cap, ", sinks ", variant.sinks ? "yes" : "no", ", ALiBi ",
-              variant.alibi_slopes ? "yes" : "no", "); the CPU kernels do");
 }
 
 void check_query(const at::Tensor& query, const at::Tensor& out, const at::Tensor& kv_cache, const char* op) {
@@ -289,8 +279,7 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
                 double logits_soft_cap, const std::optional<at::Tensor>& sinks,
                 const std::optional<at::Tensor>& alibi_slopes) {
   check_query(query, out, kv_cache, "tpp_decode");
-  check_plain_causal(attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query),
-                     "tpp_decode");
+  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   const DType dtype = attention_dtype(query.scalar_type(), "tpp_decode");
   const at::Device device = query.device();
   const int64_t batch = query.size(0);
@@ -332,7 +321,7 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
   a.out = dst.data_ptr();
   a.query = q.data_ptr();
   a.kv_cache = kv_cache.data_ptr();
-  a.scale = static_cast<float>(scale);
+  a.variant = variant;
   a.out_stride_row = dst.stride(0);
   a.out_stride_head = dst.stride(1);
   a.query_stride_row = q.stride(0);
@@ -356,8 +345,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                    double scale, int64_t sliding_window, double logits_soft_cap,
                    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes) {
   check_query(query, out, kv_cache, "paged_prefill");
-  check_plain_causal(attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query),
-                     "paged_prefill");
+  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   const DType dtype = attention_dtype(query.scalar_type(), "paged_prefill");
   const at::Device device = query.device();
   const int64_t num_reqs = seq_lens.numel();
@@ -385,7 +373,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   a.num_kv_heads = static_cast<int>(kv_cache.size(1));
   a.head_size = static_cast<int>(query.size(2));
   a.block_size = static_cast<int>(kv_cache.size(2));
-  a.scale = static_cast<float>(scale);
+  a.variant = variant;
   a.out_stride_row = dst.stride(0);
   a.out_stride_head = dst.stride(1);
   a.query_stride_row = q.stride(0);

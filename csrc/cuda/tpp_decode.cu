@@ -40,7 +40,13 @@
 //      rows = the G query heads of the KV head. Writes fp32 partials per split.
 // 3. merge <<<batch * num_kv_heads, 128>>>: per request and head, the online-
 //    softmax merge (paper equation 2) of its node pieces (via row_partials) and
-//    its private splits; writes out = o / n (0 for a request with no context).
+//    its private splits, then its head's sink, if any; writes out = o / n (0 for a
+//    request with no context).
+//
+// Variants (ScoreMod, attention.cuh): soft-capping and ALiBi change the
+// logits in both phases alike; a sliding window masks per row and drops the
+// positions before every covered row's window: a chunk-first job starts at
+// the earliest window of its requests, a request's splits at its own.
 //
 // Plan (int4 rows, csrc/common/decode_plan.h):
 //   node_work int4 [num_nodes] (slot base, pieces, KV tiles per piece, 0)
@@ -83,7 +89,8 @@ struct DecodeKernelParams {
   const int* row_partials;
   int batch, num_heads, num_kv_heads, group, block_size, block_shift;
   int num_nodes, num_partial_rows;
-  float scale_log2;
+  ScoreMod mod;
+  const float* sinks;  // [num_heads] or null (natural units)
   int64_t out_stride_row, out_stride_head, query_stride_row, query_stride_head;
   int64_t cache_stride_block, cache_stride_head, block_table_stride;
   // plan
@@ -104,6 +111,13 @@ struct DecodeKernelParams {
   float2* split_ml;
   float* split_o;
 };
+
+// The first private position of request b that its window reaches (all of
+// them without a window): where its sequence-first splits start.
+__device__ __forceinline__ int visible_private_start(const DecodeKernelParams& p, int b) {
+  const int start = p.shared_chunks[b] * p.block_size;
+  return p.mod.window > 0 ? max(start, p.seq_lens[b] - p.mod.window) : start;
+}
 
 // How request b's private positions are split: returns the number of splits
 // (0 when it has none) and the KV tiles per split. Used by the attend and the
@@ -182,8 +196,6 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
   const T* query = static_cast<const T*>(p.query);
   const T* cache = static_cast<const T*>(p.kv_cache);
   const int G = p.group;
-  const float scale_log2 = p.scale_log2;
-  auto no_limit = [](int) { return INT_MAX; };
 
   if (static_cast<int>(blockIdx.x) < p.grid_chunk_first) {
     // ---------------- chunk-first: (node, row tile, piece) x KV head jobs
@@ -199,8 +211,13 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
       const int first = begin + tile * p.rows_per_tile;  // first tree position of the tile
       const int num_requests = min(p.rows_per_tile, begin + rows - first);
       const int node_t_end = p.node_chunk_end[node] * p.block_size;
-      const int t_begin = p.node_chunk_begin[node] * p.block_size + piece * meta.z * kTile;
+      int t_begin = p.node_chunk_begin[node] * p.block_size + piece * meta.z * kTile;
       const int t_end = min(node_t_end, t_begin + meta.z * kTile);
+      if (p.mod.window > 0) {  // skip the positions before every covered request's window
+        int first_seen = INT_MAX;
+        for (int i = 0; i < num_requests; ++i) first_seen = min(first_seen, p.seq_lens[p.order[first + i]] - p.mod.window);
+        t_begin = max(t_begin, first_seen);
+      }
       const KvSource<T> kv{cache, p.cache_stride_block, p.cache_stride_head,
                            p.block_table + static_cast<int64_t>(p.order[begin]) * p.block_table_stride, h,
                            p.block_shift};
@@ -211,7 +228,8 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
             return query + static_cast<int64_t>(p.order[first + r / G]) * p.query_stride_row +
                    static_cast<int64_t>(h * G + r % G) * p.query_stride_head;
           },
-          kv, t_begin, t_end, no_limit, scale_log2,
+          kv, t_begin, t_end, [&](int r) { return p.seq_lens[p.order[first + r / G]] - 1; },
+          [&](int r) { return h * G + r % G; }, p.mod,
           [&](int r, int d, float4 o, float m, float n) {
             const int slot = slot0 + r / G;
             if (slot >= p.piece_row_capacity) return;
@@ -230,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
   const int b = index / p.num_splits / p.num_kv_heads;
   if (b >= p.batch) return;
   const int seq_len = p.seq_lens[b];
-  const int start = p.shared_chunks[b] * p.block_size;
+  const int start = visible_private_start(p, b);
   int tiles_per_split;
   const int splits = private_splits(seq_len - start, kTile, p.num_splits, tiles_per_split);
   if (split >= splits) return;  // block-uniform
@@ -241,7 +259,8 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
   const T* q = query + static_cast<int64_t>(b) * p.query_stride_row;
   attend<T, D, false>(
       smem, G, [&](int r) { return q + static_cast<int64_t>(h * G + r) * p.query_stride_head; }, kv, t_begin,
-      t_end, no_limit, scale_log2, [&](int r, int d, float4 o, float m, float n) {
+      t_end, [&](int) { return seq_len - 1; }, [&](int r) { return h * G + r; }, p.mod,
+      [&](int r, int d, float4 o, float m, float n) {
         const int64_t idx = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_heads + h * G + r;
         *reinterpret_cast<float4*>(p.split_o + idx * D + d) = o;
         if (d == 0) p.split_ml[idx] = make_float2(m, n);
@@ -260,8 +279,7 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
   if (b >= p.batch) return;
   const int G = p.group;
   int tiles_per_split;
-  const int splits =
-      private_splits(p.seq_lens[b] - p.shared_chunks[b] * p.block_size, kTile, p.num_splits, tiles_per_split);
+  const int splits = private_splits(p.seq_lens[b] - visible_private_start(p, b), kTile, p.num_splits, tiles_per_split);
   const int e_begin = p.row_partial_offsets[b], e_end = p.row_partial_offsets[b + 1];
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.out_stride_row;
   for (int i = threadIdx.x; i < G * (D / 4); i += blockDim.x) {
@@ -283,7 +301,9 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
       const int64_t idx = (static_cast<int64_t>(b) * p.num_splits + s) * p.num_heads + hq;
       merge_part(state, o, p.split_ml[idx], *reinterpret_cast<const float4*>(p.split_o + idx * D + d));
     }
-    const float inv = inverse_sum(state.n);
+    // The sink joins once, after every part (common/partial_state.h merge_sink).
+    const float sink_scale = p.sinks ? merge_sink<Log2Exp>(state, p.sinks[hq] * kLog2e) : 1.f;
+    const float inv = sink_scale * inverse_sum(state.n);
     store4<T>(out + static_cast<int64_t>(hq) * p.out_stride_head + d, o.x * inv, o.y * inv, o.z * inv, o.w * inv);
   }
 }
@@ -373,7 +393,8 @@ DecodeKernelParams kernel_params(const DecodeArgs& a, const LaunchConfig& c, con
   p.block_shift = log2_exact(a.block_size);
   p.num_nodes = a.num_nodes;
   p.num_partial_rows = a.num_partial_rows;
-  p.scale_log2 = a.scale * kLog2e;
+  p.mod = score_mod(a.variant);
+  p.sinks = a.variant.sinks;
   p.out_stride_row = a.out_stride_row;
   p.out_stride_head = a.out_stride_head;
   p.query_stride_row = a.query_stride_row;

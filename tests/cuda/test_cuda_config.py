@@ -54,8 +54,6 @@ def test_cuda_supported_configurations():
         ({"block_size": 256}, "block size 256 (supported: 16, 32, 64, 128)"),
         ({"head_size": 96}, "head size 96 (supported: 64, 128, 256)"),
         ({"device_capability": DeviceCapability(7, 5)}, "compute capability 7.5 (supported: 8.0 and newer"),
-        ({"has_sliding_window": True}, "sliding-window attention on CUDA (supported: on CPU)"),
-        ({"has_sink": True}, "attention sinks on CUDA (supported: on CPU)"),
         ({"use_batch_invariant": True}, "batch-invariant mode"),
     ],
 )
@@ -199,18 +197,13 @@ def test_device_tree_buffers_copy_only_when_the_tree_changes():
         buffers.load(ctx, 11)
 
 
-def test_cuda_impl_refuses_windows_soft_capping_sinks_and_alibi():
+def test_cuda_accepts_every_attention_variant():
+    """Sliding windows, soft-capping, sinks and ALiBi on CUDA: vLLM's selection and the impl accept them."""
     from vllm_chunkattn.backend import impl as impl_module
 
+    assert cuda_reasons(has_sliding_window=True, has_sink=True) == []
     with mock.patch.object(impl_module.current_platform, "is_cuda", lambda: True):
-        with pytest.raises(NotImplementedError) as err:
-            impl_module.ChunkAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2, alibi_slopes=None,
-                                           sliding_window=128, kv_cache_dtype="auto", logits_soft_cap=30.0)
-    message = str(err.value)
-    assert "sliding window (128) on CUDA, logits soft-cap (30.0) on CUDA" in message
-    assert "not sliding windows, logits soft-capping, attention sinks, ALiBi on CUDA" in message
-    with mock.patch.object(impl_module.current_platform, "is_cuda", lambda: True):
-        with pytest.raises(NotImplementedError, match="ALiBi on CUDA, attention sinks on CUDA"):
-            impl_module.ChunkAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2,
-                                           alibi_slopes=[0.5] * 8, sliding_window=None, kv_cache_dtype="auto",
-                                           sinks=torch.zeros(8))
+        impl = impl_module.ChunkAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2,
+                                              alibi_slopes=[0.5] * 8, sliding_window=128, kv_cache_dtype="auto",
+                                              logits_soft_cap=30.0, sinks=torch.zeros(8))
+    assert (impl.sliding_window, impl.logits_soft_cap, impl.alibi_slopes.tolist()) == (128, 30.0, [0.5] * 8)

@@ -30,8 +30,6 @@ _CAUSAL_ONLY = "(supported: causal decoder self-attention)"
 _REWORDED = {
     "MLA not supported": f"MLA {_CAUSAL_ONLY}",
     "sparse not supported": f"sparse attention {_CAUSAL_ONLY}",
-    "attention sinks not supported": "attention sinks on CUDA (supported: on CPU)",
-    "sliding window not supported": "sliding-window attention on CUDA (supported: on CPU)",
     "partial multimodal token full attention not supported": f"multimodal prefix attention {_CAUSAL_ONLY}",
     "non-causal attention not supported": f"non-causal attention {_CAUSAL_ONLY}",
     "per-head quant scales not supported": f"per-head quantisation scales {_CAUSAL_ONLY}",

@@ -68,7 +68,9 @@ class ChunkAttentionImpl(AttentionImpl):
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         # The layer's parameter, whose values are loaded after this: read at each forward.
         self.sinks = sinks
-        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        # On the device the kernels run on, made once (a copy per forward would not survive CUDA-graph capture).
+        self.alibi_slopes = (None if alibi_slopes is None else
+                             torch.tensor(alibi_slopes, dtype=torch.float32, device=current_platform.device_type))
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
     def do_kv_cache_update(

@@ -69,10 +69,10 @@ CUDA = PlatformSupport(
     block_sizes=(16, 32, 64, 128),
     dtypes=(torch.float16, torch.bfloat16),
     tree_max_rows_per_kv_head=1,  # one-token rows only: multi-token rows on CUDA are not done yet
-    sliding_window=False,  # not done yet on CUDA
-    logits_soft_cap=False,  # not done yet on CUDA
-    attention_sinks=False,  # not done yet on CUDA
-    alibi=False,  # not done yet on CUDA
+    sliding_window=True,
+    logits_soft_cap=True,
+    attention_sinks=True,
+    alibi=True,
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
 

@@ -44,7 +44,7 @@ def build(out_dir: Path | None = None) -> Path:
     include = cuda_include_dir()
     files = [ROOT / "csrc" / "cuda" / s for s in SOURCES] + sorted((ROOT / "csrc" / "cuda").glob("*.cuh"))
     files += [ROOT / "csrc" / "cuda" / "launch.h", ROOT / "csrc" / "cuda" / "dispatch.h",
-              ROOT / "csrc" / "common" / "partial_state.h", ROOT / "csrc" / "common" / "decode_plan.h",
+              *sorted((ROOT / "csrc" / "common").glob("*.h")),
               HERE / "simt_emulator.h", HERE / "emulated_ops.cpp"]
     sanitize = os.environ.get("CHUNKATTN_EMU_SANITIZE", "") not in ("", "0")  # AddressSanitizer build
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + bytes([sanitize])).hexdigest()[:16]
@@ -74,8 +74,8 @@ def load() -> ctypes.CDLL:
     P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     S = ctypes.POINTER(ctypes.c_int64)
     lib.emu_write_kv_cache.argtypes = [P, P, P, P, I, I, I, I, I, I, S]
-    lib.emu_tpp_decode.argtypes = [I, P, P, P] + [P] * 11 + [I] * 7 + [F, S, I, I, I]
-    lib.emu_paged_prefill.argtypes = [I, P, P, P, P, P, P] + [I] * 6 + [F, S, I, I]
+    lib.emu_tpp_decode.argtypes = [I, P, P, P] + [P] * 11 + [I] * 7 + [F, I, F, P, P, S, I, I, I]
+    lib.emu_paged_prefill.argtypes = [I, P, P, P, P, P, P] + [I] * 6 + [F, I, F, P, P, S, I, I]
     lib.emu_merge_attn_states.argtypes = [I, P, P, P, P, P, P, I, I, I, I, S]
     for name in ("emu_write_kv_cache", "emu_tpp_decode", "emu_paged_prefill", "emu_merge_attn_states"):
         getattr(lib, name).restype = ctypes.c_char_p

@@ -74,6 +74,7 @@ extern "C" const char* emu_write_kv_cache(const void* key, const void* value, vo
 }
 
 // strides: out row, out head, query row, query head, cache block, cache head, block table row.
+// The variant arguments are the ops' (common/attention_variant.h): 0 / null for none.
 // Plans once, then runs the plan `layers` times (as the layers of one step do),
 // each run with a fresh workspace of NaN bytes.
 extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, const void* kv_cache,
@@ -83,8 +84,9 @@ extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, co
                                       const int* shared_chunks, const int* row_partial_offsets,
                                       const int* row_partials, int batch, int num_heads, int num_kv_heads,
                                       int head_size, int block_size, int num_nodes, int num_partial_rows,
-                                      float scale, const int64_t* strides, int num_sms, int blocks_per_sm,
-                                      int layers) {
+                                      float scale, int sliding_window, float logits_soft_cap,
+                                      const float* sinks, const float* alibi_slopes, const int64_t* strides,
+                                      int num_sms, int blocks_per_sm, int layers) {
   configure(num_sms, blocks_per_sm);
   try {
     chunkattn::cuda::DecodeArgs a{};
@@ -110,7 +112,7 @@ extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, co
     a.block_size = block_size;
     a.num_nodes = num_nodes;
     a.num_partial_rows = num_partial_rows;
-    a.scale = scale;
+    a.variant = chunkattn::AttentionVariant{scale, sliding_window, logits_soft_cap, sinks, alibi_slopes};
     a.out_stride_row = strides[0];
     a.out_stride_head = strides[1];
     a.query_stride_row = strides[2];
@@ -140,8 +142,9 @@ extern "C" const char* emu_tpp_decode(int bf16, void* out, const void* query, co
 extern "C" const char* emu_paged_prefill(int bf16, void* out, const void* query, const void* kv_cache,
                                          const int* query_start_loc, const int* seq_lens, const int* block_table,
                                          int num_tokens, int num_reqs, int num_heads, int num_kv_heads,
-                                         int head_size, int block_size, float scale, const int64_t* strides,
-                                         int num_sms, int blocks_per_sm) {
+                                         int head_size, int block_size, float scale, int sliding_window,
+                                         float logits_soft_cap, const float* sinks, const float* alibi_slopes,
+                                         const int64_t* strides, int num_sms, int blocks_per_sm) {
   configure(num_sms, blocks_per_sm);
   try {
     chunkattn::cuda::PrefillArgs a{};
@@ -158,7 +161,7 @@ extern "C" const char* emu_paged_prefill(int bf16, void* out, const void* query,
     a.num_kv_heads = num_kv_heads;
     a.head_size = head_size;
     a.block_size = block_size;
-    a.scale = scale;
+    a.variant = chunkattn::AttentionVariant{scale, sliding_window, logits_soft_cap, sinks, alibi_slopes};
     a.out_stride_row = strides[0];
     a.out_stride_head = strides[1];
     a.query_stride_row = strides[2];
