@@ -318,3 +318,16 @@ def test_kernel_bench_with_sinks_agrees_with_vllms_kernel(tmp_path):
     timed = [r for r in results["records"] if r["impl"] in ("ours", "PagedAttn*")]
     assert timed and all(r["sinks"] and r["window"] == 100 for r in timed)
     assert "with an attention sink" in (tmp_path / "table.md").read_text()
+
+
+def test_several_windows_run_each_point_back_to_back_and_report_what_each_keeps(tmp_path):
+    code = kernel.main(["--quick", "--grid", "tree", "--dtype", "fp32", "--impls", "ours,PagedAttn*", "--repeats", "2",
+                        "--warmup", "1", "--sliding-window", "0,100", "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    ours = [r for r in results["records"] if r["impl"] == "ours"]
+    assert [r["window"] for r in ours] == [0, 100] * (len(ours) // 2)  # adjacent, in the order given
+    table = (tmp_path / "table.md").read_text()
+    assert "## tree, fp32, no window" in table and "## tree, fp32, W=100" in table
+    kept = table[table.index("## Shared points: speedup kept"):]
+    assert "W=100 / no window" in kept and re.search(r"W=100: \d\.\d\d to \d\.\d\d, mean \d\.\d\d", kept)

@@ -900,16 +900,65 @@ class PlannedPoint:
         return self.point.label()
 
 
-def plan(grids: list[str], dtypes: list[str], quick: bool, window: int = 0, sinks: bool = False) -> list[PlannedPoint]:
+def plan(grids: list[str], dtypes: list[str], quick: bool, windows: tuple[int, ...] = (0,),
+         sinks: bool = False) -> list[PlannedPoint]:
+    """The run's points; with several windows, each point once per window, back to back (so that
+    their ratios come from the same minutes of the same run)."""
     planned = []
     for grid in grids:
         for dtype in dtypes:
             points_of = {"prefill": prefill_points, "relay": relay_points}.get(grid)
             points = points_of(dtype, quick) if points_of else grid_points(grid, dtype, quick)
-            if window or sinks:
-                points = [dataclasses.replace(p, window=window, sinks=sinks) for p in points]
+            if windows != (0,) or sinks:
+                points = [dataclasses.replace(p, window=w, sinks=sinks) for p in points for w in windows]
             planned += [PlannedPoint(grid, p) for p in points]
     return planned
+
+
+def window_list(text: str) -> tuple[int, ...]:
+    """--sliding-window: one window or several, comma-separated (0: none)."""
+    try:
+        windows = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a window or comma-separated windows: {text!r}") from None
+    if any(w < 0 for w in windows) or len(set(windows)) != len(windows):
+        raise argparse.ArgumentTypeError(f"windows must be distinct and >= 0 (0: none), got {text!r}")
+    return windows
+
+
+def window_name(window: int) -> str:
+    return f"W={window}" if window else "no window"
+
+
+def window_kept(rows_by_table: dict, windows: tuple[int, ...]) -> list[str]:
+    """With several windows: per shared point, its speedup over the faster of vLLM's kernels under each
+    later window as a fraction of its speedup under the first (adjacent points of the same run)."""
+    speedup: dict[tuple, float] = {}
+    for (grid, dtype, window), rows in rows_by_table.items():
+        for r in rows:
+            median = {name: statistics.median(ts) for name, ts in r["times"].items()}
+            vllm = [median[i] for i in ("PagedAttn", "PagedAttn*") if i in median]
+            if "ours" in median and vllm and r["w"].n_s:
+                speedup[(grid, dtype, r["w"].n_p, r["w"].n_s, window)] = min(vllm) / median["ours"]
+    first, later = windows[0], windows[1:]
+    points = sorted({key[:4] for key in speedup if key[4] == first})
+    if not points or not later:
+        return []
+    head = ["grid", "dtype", "n_p", "n_s", f"speedup, {window_name(first)}"]
+    head += [f"{window_name(w)} / {window_name(first)}" for w in later]
+    lines = [f"## Shared points: speedup kept under each window (over the faster of PagedAttn and PagedAttn*, "
+             f"relative to {window_name(first)})", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    kept: dict[int, list[float]] = {w: [] for w in later}
+    for point in points:
+        cells = [*map(str, point), f"{speedup[(*point, first)]:.2f}x"]
+        for w in later:
+            ratio = speedup.get((*point, w), float("nan")) / speedup[(*point, first)]
+            kept[w].append(ratio)
+            cells.append(f"{ratio:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"{window_name(w)}: {min(r):.2f} to {max(r):.2f}, mean {statistics.mean(r):.2f}" for w, r in kept.items()]
+    return lines
 
 
 def point_roofline(point: Workload | PrefillPoint, rates: list[machine.MachineRates], flushed: bool,
@@ -936,9 +985,10 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
         lines += ["**As on a CPU without AVX-512 (`--as-avx2-cpu`): our kernels' AVX2 build, vLLM's AVX2 build of "
                   "its CPU kernels, torch's and oneDNN's AVX2 kernels; the roofline's compute term from the AVX2 FMA "
                   "peak.**", ""]
-    if env.get("sliding_window"):
-        lines += [f"**Every layer with a sliding window of {env['sliding_window']} tokens (`--sliding-window`), "
-                  "ours and vLLM's; the roofline counts the keys inside it.**", ""]
+    windows = env.get("sliding_windows", [0])
+    if windows != [0]:
+        lines += [f"**Every layer with a sliding window of {', then '.join(map(str, windows))} tokens "
+                  "(`--sliding-window`; 0: none), ours and vLLM's; the roofline counts the keys inside it.**", ""]
     if env.get("sinks"):
         lines += ["**Every head with an attention sink (`--sinks`, gpt-oss's), ours and vLLM's.**", ""]
     if env.get("vllm_kernel_libraries"):
@@ -1031,17 +1081,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--as-avx2-cpu", action="store_true",
                         help="every implementation as on a CPU without AVX-512: ours, vLLM's and torch's AVX2 "
                              "kernels, the roofline from the AVX2 FMA peak")
-    parser.add_argument("--sliding-window", type=int, default=0, metavar="W",
+    parser.add_argument("--sliding-window", type=window_list, default=(0,), metavar="W[,W...]",
                         help="decode grids only: every layer with vLLM's sliding window W (each query sees its "
-                             "last W keys), ours and vLLM's alike; 0: none")
+                             "last W keys), ours and vLLM's alike; 0: none. Several, comma-separated: each point "
+                             "once per window, back to back, and how much of its speedup each window keeps")
     parser.add_argument("--sinks", action="store_true",
                         help="decode grids only: every head with an attention sink (gpt-oss's learned logit), "
                              "ours and vLLM's alike")
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
-    if args.sliding_window < 0:
-        parser.error("--sliding-window must be >= 0")
-    for flag, used in (("--sliding-window", args.sliding_window), ("--sinks", args.sinks)):
+    for flag, used in (("--sliding-window", args.sliding_window != (0,)), ("--sinks", args.sinks)):
         if used and args.grid in ("prefill", "relay", "all"):
             parser.error(f"{flag} applies to the decode grids; choose one of "
                          f"{', '.join(g for g in GRIDS if g not in ('prefill', 'relay'))}")
@@ -1084,7 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
     print(machine.rates_line("machine rates at the start", rates[0]), flush=True)
     env = {
         "threads": threads, "loadavg_start": os.getloadavg(), "flush_cache": not args.warm,
-        "clock": args.clock, "sliding_window": args.sliding_window, "sinks": args.sinks, "repeats": args.repeats,
+        "clock": args.clock, "sliding_windows": list(args.sliding_window), "sinks": args.sinks, "repeats": args.repeats,
         "warmup": args.warmup, "argv": sys.argv if argv is None else
         ["kernel.py", *argv], "impls": impls, "as_avx2_cpu": args.as_avx2_cpu,
     }
@@ -1128,7 +1177,7 @@ def main(argv: list[str] | None = None) -> int:
     env["seconds"] = round(time.time() - start)
 
     records: list[dict] = []
-    rows_by_table: dict[tuple[str, str], list[dict]] = {}
+    rows_by_table: dict[tuple[str, str, int], list[dict]] = {}
     prefill_rows: list[dict] = []
     relay_rows: list[dict] = []
     below: list[str] = []
@@ -1164,7 +1213,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(p, PrefillPoint):
             (relay_rows if p.shared else prefill_rows).append(row)
         else:
-            rows_by_table.setdefault((planned_point.grid, p.dtype), []).append(row)
+            rows_by_table.setdefault((planned_point.grid, p.dtype, p.window), []).append(row)
     for line in below:
         print(f"WARNING: below the roofline: {line}", flush=True)
 
@@ -1173,13 +1222,17 @@ def main(argv: list[str] | None = None) -> int:
     sections += ["", f"Tile parameters and tree reach of ours ({cpu_tuning.__name__}, measured on this CPU at its first use, "
                  f"{cpu_tuning.ENV_VAR}={cpu_tuning.mode()}): "
                  + "; ".join(f"{shape.describe()}: {t.describe()}" for shape, t in tunings.items())]
-    for (grid, dtype), rows in rows_by_table.items():
-        sections += ["", f"## {grid}, {dtype}", "", markdown_table(rows, shown)]
+    several = len(args.sliding_window) > 1
+    for (grid, dtype, window), rows in rows_by_table.items():
+        sections += ["", f"## {grid}, {dtype}{', ' + window_name(window) if several else ''}", "",
+                     markdown_table(rows, shown)]
         skipped = sorted({f"{name}: {why}" for planned_point, result in results
                           if not isinstance(planned_point.point, PrefillPoint) and planned_point.grid == grid
                           and planned_point.point.dtype == dtype for name, why in result.skipped.items()})
         if skipped:
             sections += ["", "Left out of some points: " + "; ".join(skipped)]
+    if several:
+        sections += ["", *window_kept(rows_by_table, args.sliding_window)]
     if prefill_rows:
         sections += ["", "## prefill (causal, paged): chunkattn::paged_prefill vs vLLM's CPU kernel", "",
                      "n_c in results.json = new tokens per request, n_p = seq_len; roofline bytes: KV, queries and "
@@ -1202,7 +1255,8 @@ def main(argv: list[str] | None = None) -> int:
         "disagreements": [dataclasses.asdict(d) for d in failures], "below_roofline": below, "records": records,
     }, indent=1, default=str))
     print(f"wrote {out_dir / 'table.md'} and {out_dir / 'results.json'}", flush=True)
-    table3 = [r for (grid, _), rows in rows_by_table.items() if grid == "table3" for r in rows]
+    table3 = [r for (grid, _, window), rows in rows_by_table.items()
+              if grid == "table3" and window == args.sliding_window[0] for r in rows]
     if table3:
         plot_table3(table3, shown, out_dir / "table3.png")
     if failures:

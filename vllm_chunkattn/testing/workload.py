@@ -139,6 +139,9 @@ class EngineSettings:
     pensieve_policy: str | None = None  # the PensieveConnector's eviction policy; None: no connector
     pensieve_host_gib: float = 0.05
     pensieve_disk_dir: str | None = None  # the connector's disk tier; None: host tier only
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "mp" or "ray"; None: vLLM's choice
 
 
 def make_llm(settings: EngineSettings):
@@ -155,6 +158,8 @@ def make_llm(settings: EngineSettings):
     if settings.speculative_tokens:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": settings.speculative_tokens,
                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if settings.distributed_executor_backend:
+        extra["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.pensieve_policy:
         extra["kv_transfer_config"] = {
             "kv_connector": "PensieveConnector", "kv_role": "kv_both",
@@ -173,6 +178,8 @@ def make_llm(settings: EngineSettings):
         enforce_eager=True,
         disable_log_stats=False,
         seed=0,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
         **extra,
     )
 
@@ -304,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pensieve-disk-dir", default=None, help="with --pensieve: the connector's disk tier")
     parser.add_argument("--pensieve-host-gib", type=float, default=None,
                         help="with --pensieve: the host tier's size (default: the workload's, else 0.05)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                        help="how vLLM runs its workers (default: vLLM's choice)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     if args.model is None:
@@ -314,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
              "num_blocks": args.num_blocks, "pensieve_host_gib": args.pensieve_host_gib}
     engine = {**WORKLOAD_ENGINE_SETTINGS.get(args.workload, {}), **{k: v for k, v in given.items() if v is not None}}
     settings = EngineSettings(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
-                              pensieve_policy=args.pensieve, pensieve_disk_dir=args.pensieve_disk_dir, **engine)
+                              pensieve_policy=args.pensieve, pensieve_disk_dir=args.pensieve_disk_dir,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size,
+                              distributed_executor_backend=args.distributed_executor_backend, **engine)
     if args.workload == "conversations":
         record = run_conversations(settings)
     else:
