@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_chunk_matches_stock(runs, name):
     *_, logprob_atol, near_tie = CONFIGS[name]
-    stock, chunk = runs(name, "stock"), runs(name, "chunk")
+    stock, chunk = runs.pair(name)
     assert "Using CHUNK backend" in chunk["log"] and "Using CHUNK backend" not in stock["log"]
     assert "Using CHUNK attention backend (vllm_chunkattn)" in chunk["log"]  # our builder's own log line
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
@@ -62,7 +62,7 @@ def shared_prompt_tokens(token_lists: list[list[int]]) -> int:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_chunk_reports_sharing_on_the_shared_prefix_workload(runs, name):
-    stock, chunk = runs(name, "stock"), runs(name, "chunk")
+    stock, chunk = runs.pair(name)
     assert "CHUNK prefix tree" not in stock["log"] and stock["decode_summaries"] == []
     summaries = chunk["decode_summaries"]
     assert len(summaries) == 1, "one whole-run line from the one metadata builder expected:\n" + chunk["log"][-3000:]
@@ -116,7 +116,7 @@ def test_a_burst_on_a_cached_system_prompt_shares_its_prompt_rows(runs):
 
     name = "float32-gqa-d64-block32-preempt"
     *_, logprob_atol, near_tie = CONFIGS[name]
-    stock, chunk = runs(name, "stock", workload="burst"), runs(name, "chunk", workload="burst")
+    stock, chunk = runs.pair(name, "burst")
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     assert not report["problems"], "\n".join(report["problems"][:20])
     assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
@@ -138,7 +138,7 @@ def test_speculative_decoding_rows_take_the_tree_path(runs):
     tokens are identical to stock's, and the tree saw the verification rows."""
     name = "float32-gqa-d64-block32-preempt"
     *_, logprob_atol, near_tie = CONFIGS[name]
-    stock, chunk = runs(name, "stock", workload="speculative"), runs(name, "chunk", workload="speculative")
+    stock, chunk = runs.pair(name, "speculative")
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     assert not report["problems"], "\n".join(report["problems"][:20])
     assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
@@ -160,7 +160,7 @@ def test_parallel_samples_share_their_prompt_as_one_node(runs):
     Seeded sampling draws the same tokens as stock."""
     name = "float32-gqa-d64-block32-preempt"
     *_, logprob_atol, near_tie = CONFIGS[name]
-    stock, chunk = runs(name, "stock", workload="parallel-sampling"), runs(name, "chunk", workload="parallel-sampling")
+    stock, chunk = runs.pair(name, "parallel-sampling")
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     assert not report["problems"], "\n".join(report["problems"][:20])
     assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]

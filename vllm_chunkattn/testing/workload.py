@@ -160,6 +160,14 @@ def make_llm(settings: EngineSettings):
                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if settings.distributed_executor_backend:
         extra["distributed_executor_backend"] = settings.distributed_executor_backend
+    world = settings.tensor_parallel_size * settings.pipeline_parallel_size
+    if world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's CPU build binds each rank to a NUMA node of its own unless told which cores
+        # to use; on a one-node machine, give each rank an equal share of this process's cores.
+        cpus = sorted(os.sched_getaffinity(0))
+        per_rank = max(1, len(cpus) // world)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cpus[rank * per_rank : (rank + 1) * per_rank] or cpus[-1:])) for rank in range(world))
     if settings.pensieve_policy:
         extra["kv_transfer_config"] = {
             "kv_connector": "PensieveConnector", "kv_role": "kv_both",
