@@ -209,7 +209,8 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
   TORCH_CHECK(!qsl.empty() && qsl.size() >= lens.size() + 1 && qsl[0] >= 0, "chunkattn: query_start_loc must have num_reqs + 1 entries");
   TORCH_CHECK(static_cast<int64_t>(lens.size()) <= block_table.size(0), "chunkattn: block_table has fewer rows than requests");
   TORCH_CHECK(qsl[lens.size()] <= query.size(0), "chunkattn: query_start_loc points past the query rows");
-  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
+  const AttentionVariant variant =
+      attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   if (lens.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_paged_prefill", [&] {
     paged_prefill_impl<scalar_t>(out, query, kv_cache, qsl, lens, block_table, variant);

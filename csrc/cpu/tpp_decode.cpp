@@ -537,7 +537,8 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                                            node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
   const DecodePlanView plan{h, plan_items.data_ptr<int32_t>(), plan_node_work.data_ptr<int32_t>(),
                             plan_partial_work.data_ptr<int32_t>(), plan_row_order.data_ptr<int32_t>()};
-  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
+  const AttentionVariant variant =
+      attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {
     tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, variant);
   });

@@ -279,7 +279,8 @@ void tpp_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_c
                 double logits_soft_cap, const std::optional<at::Tensor>& sinks,
                 const std::optional<at::Tensor>& alibi_slopes) {
   check_query(query, out, kv_cache, "tpp_decode");
-  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
+  const AttentionVariant variant =
+      attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   const DType dtype = attention_dtype(query.scalar_type(), "tpp_decode");
   const at::Device device = query.device();
   const int64_t batch = query.size(0);
@@ -345,7 +346,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                    double scale, int64_t sliding_window, double logits_soft_cap,
                    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes) {
   check_query(query, out, kv_cache, "paged_prefill");
-  const AttentionVariant variant = attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
+  const AttentionVariant variant =
+      attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   const DType dtype = attention_dtype(query.scalar_type(), "paged_prefill");
   const at::Device device = query.device();
   const int64_t num_reqs = seq_lens.numel();

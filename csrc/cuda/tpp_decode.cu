@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
       const int t_end = min(node_t_end, t_begin + meta.z * kTile);
       if (p.mod.window > 0) {  // skip the positions before every covered request's window
         int first_seen = INT_MAX;
-        for (int i = 0; i < num_requests; ++i) first_seen = min(first_seen, p.seq_lens[p.order[first + i]] - p.mod.window);
+        for (int i = 0; i < num_requests; ++i)
+          first_seen = min(first_seen, p.seq_lens[p.order[first + i]] - p.mod.window);
         t_begin = max(t_begin, first_seen);
       }
       const KvSource<T> kv{cache, p.cache_stride_block, p.cache_stride_head,

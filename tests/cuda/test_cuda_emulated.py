@@ -25,6 +25,8 @@ from vllm_chunkattn.kernels import support
 from vllm_chunkattn.testing import reference
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.testing.paged_cases import (
+    KERNEL_VARIANTS,
+    attention_variant,
     multi_level,
     num_blocks_needed,
     prefill_split,
@@ -57,18 +59,19 @@ def _strides(*values: int):
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _variant_args(window=0, softcap=0.0, sinks=None, alibi_slopes=None):
-    """The emulated ops' variant arguments: window, soft-cap, sinks and slopes (float32 or null)."""
+def _variant_args(sliding_window=0, logits_soft_cap=0.0, sinks=None, alibi_slopes=None):
+    """The emulated ops' variant arguments (the ops' keywords): window, soft-cap, sinks and slopes
+    (float32 or null)."""
     for t in (sinks, alibi_slopes):
         assert t is None or (t.dtype == torch.float32 and t.is_contiguous())
-    return (window, softcap, None if sinks is None else _ptr(sinks),
+    return (sliding_window, logits_soft_cap, None if sinks is None else _ptr(sinks),
             None if alibi_slopes is None else _ptr(alibi_slopes))
 
 
 def emu_decode(emu, query, kv_cache, table, seq_lens, ctx, scale, num_sms=4, blocks_per_sm=2, num_partial_rows=None,
                layers=1, **variant):
     """One step's plan, run by `layers` layers on the same inputs (the last one's output).
-    `variant`: window, softcap, sinks, alibi_slopes (_variant_args)."""
+    `variant`: the ops' variant keywords (_variant_args)."""
     out = torch.full_like(query, float("nan"))
     num_partial_rows = ctx.num_partial_rows if num_partial_rows is None else num_partial_rows
     err = emu.emu_tpp_decode(
@@ -376,38 +379,7 @@ def test_paged_prefill(emu, seed, batch, block_size, head_size, group, dtype):
     _check(out, expected, dtype)
 
 
-# The attention variants (csrc/chunkattn.h), alone and as models combine them
-# (gpt-oss: a window and sinks). Windows shorter than most contexts and not a
-# whole number of chunks, so that nodes straddle window edges and whole
-# pieces and splits lie before every window; sinks near the log of the
-# keys' count, so that each takes a real share of its softmax.
-VARIANT_CASES = {
-    "window": dict(window=37),
-    "soft-cap": dict(softcap=1.5),
-    "sinks": dict(sinks=True),
-    "alibi": dict(alibi=True),
-    "window+sinks": dict(window=37, sinks=True),
-    "all": dict(window=50, softcap=5.0, sinks=True, alibi=True),
-}
-
-
-def _variant_tensors(case: dict, num_heads: int, gen: torch.Generator) -> dict:
-    """The emulated ops' keyword arguments (window, softcap, sinks, alibi_slopes) for a VARIANT_CASES entry."""
-    variant = {k: case[k] for k in ("window", "softcap") if k in case}
-    if case.get("sinks"):
-        variant["sinks"] = 4.0 + torch.randn(num_heads, generator=gen)
-    if case.get("alibi"):
-        variant["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
-    return variant
-
-
-def _reference_variant(variant: dict) -> dict:
-    """The same variant in reference.paged_attention's terms."""
-    names = {"window": "sliding_window", "softcap": "logits_soft_cap", "sinks": "sinks", "alibi_slopes": "alibi_slopes"}
-    return {names[k]: v for k, v in variant.items()}
-
-
-@pytest.mark.parametrize("name", list(VARIANT_CASES))
+@pytest.mark.parametrize("name", list(KERNEL_VARIANTS))
 def test_tpp_decode_attention_variants(emu, name):
     """Random trees with each variant: the merge adds a sink once per query
     however many pieces and splits a row has; ALiBi and soft-capping give the
@@ -416,10 +388,10 @@ def test_tpp_decode_attention_variants(emu, name):
     query, kv_cache, table, seq_lens = _decode_case(21, 10, block_size, head_size, group, dtype)
     ctx = prefix_tree(table, seq_lens, block_size)
     assert ctx.num_nodes > 0 and int(seq_lens.max()) > 2 * 37
-    variant = _variant_tensors(VARIANT_CASES[name], query.shape[1], torch.Generator().manual_seed(5))
+    variant = attention_variant(KERNEL_VARIANTS[name], query.shape[1], torch.Generator().manual_seed(5))
     scale = 1 / math.sqrt(head_size)
     qsl = torch.arange(query.shape[0] + 1)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale, **_reference_variant(variant))
+    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale, **variant)
     plain = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale)
     assert (expected.float() - plain.float()).abs().max() > 10 * TOL[dtype]  # the variant matters here
     for num_sms in (1, 16):  # few and many pieces per node and splits per request
@@ -438,15 +410,16 @@ def test_tpp_decode_windows_that_start_inside_nodes(emu, window):
     query, kv_cache, table, seq_lens = _decode_case(12, 0, 16, 64, 2, torch.float16, table=table, seq_lens=seq_lens)
     ctx = prefix_tree(table, seq_lens, 16)
     assert ctx.num_nodes == 3
-    variant = _variant_tensors(dict(window=window, sinks=True), query.shape[1], torch.Generator().manual_seed(6))
+    variant = attention_variant(dict(sliding_window=window, sinks=True), query.shape[1],
+                                torch.Generator().manual_seed(6))
     qsl = torch.arange(13)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, 0.125, **_reference_variant(variant))
+    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, 0.125, **variant)
     for num_sms in (1, 16):
         _check(emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125, num_sms=num_sms, **variant), expected,
                torch.float16)
 
 
-@pytest.mark.parametrize("name", list(VARIANT_CASES))
+@pytest.mark.parametrize("name", list(KERNEL_VARIANTS))
 def test_paged_prefill_attention_variants(emu, name):
     rng = np.random.default_rng(22)
     gen = torch.Generator().manual_seed(22)
@@ -456,9 +429,9 @@ def test_paged_prefill_attention_variants(emu, name):
     qsl = torch.cat([torch.zeros(1, dtype=torch.int32), new.cumsum(0).to(torch.int32)])
     kv_cache = random_kv_cache(num_blocks_needed(table), num_kv_heads, block_size, head_size, dtype, generator=gen)
     query = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen).to(dtype)
-    variant = _variant_tensors(VARIANT_CASES[name], query.shape[1], gen)
+    variant = attention_variant(KERNEL_VARIANTS[name], query.shape[1], gen)
     scale = 1 / math.sqrt(head_size)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale, **_reference_variant(variant))
+    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale, **variant)
     plain = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale)
     assert (expected.float() - plain.float()).abs().max() > 10 * TOL[dtype]
     _check(emu_prefill(emu, query, kv_cache, qsl, seq_lens, table, scale, **variant), expected, dtype)

@@ -21,6 +21,8 @@ from vllm_chunkattn.testing import reference
 from vllm_chunkattn.kernels import torch_fallback
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.testing.paged_cases import (
+    KERNEL_VARIANTS,
+    attention_variant,
     multi_level,
     num_blocks_needed,
     prefill_split,
@@ -159,38 +161,19 @@ def test_prefill_random(dtype, head_size, block_size):
         _check(out, expected, dtype)
 
 
-# The attention variants, alone and combined (the emulator tests' VARIANT_CASES on the hardware).
-VARIANTS = {
-    "window": dict(sliding_window=70),
-    "soft-cap": dict(logits_soft_cap=1.5),
-    "sinks": dict(sinks=True),
-    "alibi": dict(alibi_slopes=True),
-    "all": dict(sliding_window=50, logits_soft_cap=5.0, sinks=True, alibi_slopes=True),
-}
-
-
-def _variant(name: str, num_heads: int, seed: int) -> dict:
-    variant = dict(VARIANTS[name])
-    gen = torch.Generator().manual_seed(seed)
-    if variant.get("sinks"):
-        variant["sinks"] = 4.0 + torch.randn(num_heads, generator=gen)
-    if variant.get("alibi_slopes"):
-        variant["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
-    return variant
-
-
 def _on_gpu(variant: dict) -> dict:
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in variant.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", list(KERNEL_VARIANTS))
 def test_decode_and_prefill_attention_variants(dtype, name):
+    """The emulator tests' variants (paged_cases.KERNEL_VARIANTS) on the hardware."""
     block_size, head_size, group = 16, 128, 4
     rng = np.random.default_rng(7)
     table, seq_lens = random_forest(rng, 24, block_size, max_shared_blocks=8, max_private_blocks=6)
     query, kv = _inputs(table, seq_lens, block_size, head_size, group, dtype, seed=7)
-    variant = _variant(name, query.shape[1], 7)
+    variant = attention_variant(KERNEL_VARIANTS[name], query.shape[1], torch.Generator().manual_seed(7))
     scale = 1 / math.sqrt(head_size)
     ctx = prefix_tree(table, seq_lens, block_size)
     plan = ops.plan_tpp_decode(DecodeShape.of_layer(query.cuda(), kv.cuda()), table.cuda(), seq_lens.cuda(), ctx)

@@ -118,3 +118,30 @@ def prefill_split(
         hi = s if max_new is None else min(s, max_new)
         new.append(int(rng.integers(1, hi + 1)))
     return torch.tensor(new, dtype=torch.int32)
+
+
+# The attention variants (csrc/chunkattn.h), alone and as models combine them
+# (gpt-oss: a window and sinks), for the kernel tests. Windows shorter than
+# most contexts and not a whole number of chunks, so that nodes straddle window
+# edges and whole pieces and splits lie before every window; True for sinks and
+# ALiBi: attention_variant() draws them.
+KERNEL_VARIANTS = {
+    "window": dict(sliding_window=37),
+    "soft-cap": dict(logits_soft_cap=1.5),
+    "sinks": dict(sinks=True),
+    "alibi": dict(alibi_slopes=True),
+    "window+sinks": dict(sliding_window=37, sinks=True),
+    "all": dict(sliding_window=50, logits_soft_cap=5.0, sinks=True, alibi_slopes=True),
+}
+
+
+def attention_variant(spec: dict, num_heads: int, generator: torch.Generator | None = None) -> dict:
+    """A KERNEL_VARIANTS entry (or one like it) as the ops' and reference.paged_attention's keyword
+    arguments: sinks near the log of a few dozen keys' count, so that each takes a real share of its
+    softmax; BLOOM's ALiBi slopes (2^(-8 (h + 1) / num_heads))."""
+    variant = dict(spec)
+    if variant.get("sinks"):
+        variant["sinks"] = 4.0 + torch.randn(num_heads, generator=generator)
+    if variant.get("alibi_slopes"):
+        variant["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
+    return variant
