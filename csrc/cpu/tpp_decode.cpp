@@ -318,9 +318,9 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     float* row_args = scr.get(3, (2 + nh) * M);
     float* first_key = row_args;
     float* q_pos = alibi ? row_args + M : nullptr;
-    for (int32_t t = 0; t < rows; ++t) {
+    for (int32_t t = 0; (window > 0 || q_pos) && t < rows; ++t) {  // nothing to fill for a plain layer
       const int64_t len = lens[ord[nb[k] + t]] - static_cast<int64_t>(c0) * block_size;
-      std::fill_n(first_key + t * group, group, static_cast<float>(len - window));
+      if (window > 0) std::fill_n(first_key + t * group, group, static_cast<float>(len - window));
       if (q_pos) std::fill_n(q_pos + t * group, group, static_cast<float>(len - 1));
     }
     if (alibi) {
@@ -383,7 +383,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     float* row_args = scr.get(3, 2 * group);
     float* first_key = row_args;
     float* q_pos = alibi ? row_args + group : nullptr;
-    std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
+    if (window > 0) std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
     if (alibi) {
       std::fill_n(q_pos, group, static_cast<float>(lens[b] - 1 - shared));
       job.q_pos = q_pos;
