@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from vllm_chunkattn import BACKEND_NAME
+from vllm_chunkattn.metrics import init_metrics_dir
 
 BACKEND_CLASS = "vllm_chunkattn.backend.chunk_backend.ChunkAttentionBackend"
 
@@ -41,6 +42,8 @@ def register() -> None:
     AttentionBackendEnum._member_map_.setdefault(BACKEND_NAME, custom)
     _register_kv_connector()
     _warn_if_cpu_platform_unpatched()
+    # Where the workers' prefix-tree series go, for this process's /metrics.
+    init_metrics_dir()
 
 
 def _register_kv_connector() -> None:

@@ -14,6 +14,7 @@ vLLM's full CUDA graphs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunkattn import BACKEND_NAME
+from vllm_chunkattn.metrics import TreeMetricsWriter, metrics_writer
 from vllm_chunkattn.backend.stats import DecodeStats, logger
 from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.kernels.support import CUDA, for_platform, names
@@ -154,7 +156,8 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         self.tree_cache = PrefixTreeCache()
         # A windowed group (vLLM's SlidingWindowSpec) reads each row's last
         # `sliding_window` keys only, and counts its reads so.
-        self.stats = DecodeStats(self.block_size, sliding_window=getattr(kv_cache_spec, "sliding_window", None) or 0)
+        self.stats = DecodeStats(self.block_size, sliding_window=getattr(kv_cache_spec, "sliding_window", None) or 0,
+                                 metrics=_metrics_writer(vllm_config))
         logger.info_once("Using %s attention backend (vllm_chunkattn).", BACKEND_NAME)
 
     def build(
@@ -216,15 +219,32 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             # columns of full chunks, the only ones the tree reads.
             full_chunks = int(host_rows.unmasked_lens.max()) // self.block_size
             host_table = block_table[:, :full_chunks].cpu()
+        start = time.perf_counter()
         tree = self.tree_cache.get(host_table, host_rows.unmasked_lens, self.block_size)
-        self.stats.record(tree, host_seq_lens, num_requests, multi_token_rows, self.tree_cache.builds,
-                          self.tree_cache.lookups)
         if self.device_tree is not None:
             # CUDA kernels: the tree in the fixed buffers (copied only when it
             # changed), the plan into the fixed DecodeWork by the plan kernel.
             context = self.device_tree.load(tree, len(host_seq_lens))
-            return ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, context, self.device_work)
-        return ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, tree)
+            plan = ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, context, self.device_work)
+        else:
+            plan = ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, tree)
+        self.stats.record(tree, host_seq_lens, num_requests, multi_token_rows, self.tree_cache.builds,
+                          self.tree_cache.lookups, plan_seconds=time.perf_counter() - start)
+        return plan
+
+
+def _metrics_writer(vllm_config: VllmConfig) -> TreeMetricsWriter | None:
+    """This process's writer of the Prometheus series, on the first rank of its
+    tensor- and pipeline-parallel groups only: the other ranks build the same
+    tree from the same block tables and would count each step again."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_tensor_model_parallel_rank() != 0 or not parallel_state.get_pp_group().is_first_rank
+    ):
+        return None
+    return metrics_writer(model_name=vllm_config.model_config.served_model_name,
+                          engine=str(vllm_config.parallel_config.data_parallel_rank))
 
 
 def _host_seq_lens(cm: CommonAttentionMetadata, num_reqs: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The backend's logger, and what the prefix tree saved, for the engine log.
+"""The backend's logger, and what the prefix tree saved, for the engine log
+(and, through vllm_chunkattn/metrics.py, for Prometheus).
 
 Two lines report it: one every `period_s` while decoding (for whoever watches
 a running server) and one with the totals of the whole run when the process
@@ -20,9 +21,20 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_chunkattn import BACKEND_NAME
+from vllm_chunkattn.metrics import StepCounts, TreeMetricsWriter
 from vllm_chunkattn.prefix.tree import PrefixTreeContext
 
 logger = init_logger("vllm.chunkattn.backend")  # in vLLM's hierarchy, see plugin.py
+
+
+def step_counts(tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int, num_requests: int,
+                multi_token_rows: int, sliding_window: int, rebuilt: bool, plan_seconds: float) -> StepCounts:
+    return StepCounts(
+        requests=num_requests, rows=len(seq_lens), multi_token_rows=multi_token_rows, nodes=tree.num_nodes,
+        context_tokens=int((seq_lens.clamp(max=sliding_window) if sliding_window else seq_lens).sum()),
+        saved_tokens=tree.reused_tokens(block_size, seq_lens, sliding_window),
+        rebuilt=rebuilt, plan_seconds=plan_seconds,
+    )
 
 
 @dataclass
@@ -30,24 +42,23 @@ class DecodeTotals:
     """Sums over decode steps."""
 
     steps: int = 0
-    requests: int = 0  # tree requests: decodes, and requests with a few new tokens (prefix/query_rows.py)
-    rows: int = 0  # their query tokens, one tree row each
-    multi_token_rows: int = 0  # of those, the rows of requests with several new tokens
+    requests: int = 0
+    rows: int = 0
+    multi_token_rows: int = 0
     nodes: int = 0
-    context_tokens: int = 0  # KV token reads without sharing: the sum of the rows' seq lens
-    saved_tokens: int = 0  # of those, reads the tree served once for several requests
+    context_tokens: int = 0
+    saved_tokens: int = 0
     tree_builds: int = 0  # the tree cache's counters as of the last step
     tree_lookups: int = 0
 
-    def add(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, block_size: int, num_requests: int,
-            multi_token_rows: int, sliding_window: int = 0) -> None:
+    def add(self, step: StepCounts) -> None:
         self.steps += 1
-        self.requests += num_requests
-        self.rows += len(seq_lens)
-        self.multi_token_rows += multi_token_rows
-        self.nodes += tree.num_nodes
-        self.context_tokens += int((seq_lens.clamp(max=sliding_window) if sliding_window else seq_lens).sum())
-        self.saved_tokens += tree.reused_tokens(block_size, seq_lens, sliding_window)
+        self.requests += step.requests
+        self.rows += step.rows
+        self.multi_token_rows += step.multi_token_rows
+        self.nodes += step.nodes
+        self.context_tokens += step.context_tokens
+        self.saved_tokens += step.saved_tokens
 
     @property
     def mean_batch(self) -> float:
@@ -160,12 +171,16 @@ def _log_run_summary(totals: DecodeTotals) -> None:
 class DecodeStats:
     """What the prefix tree saved: logged every `period_s` while decoding, and
     for the whole run when this object goes away (at the latest when the
-    process exits: vLLM's engine core and workers exit normally on shutdown)."""
+    process exits: vLLM's engine core and workers exit normally on shutdown);
+    and, where `metrics` is given, added to the Prometheus series each step
+    (vllm_chunkattn/metrics.py)."""
 
-    def __init__(self, block_size: int, period_s: float = 10.0, sliding_window: int = 0) -> None:
+    def __init__(self, block_size: int, period_s: float = 10.0, sliding_window: int = 0,
+                 metrics: TreeMetricsWriter | None = None) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window  # the group's layers': their reads are counted within it
         self.period_s = period_s
+        self.metrics = metrics
         self.run = DecodeTotals()
         weakref.finalize(self, _log_run_summary, self.run)
         self._reset(time.monotonic())
@@ -175,10 +190,15 @@ class DecodeStats:
         self.window = DecodeTotals()
 
     def record(self, tree: PrefixTreeContext, seq_lens: torch.Tensor, num_requests: int, multi_token_rows: int,
-               builds: int, lookups: int) -> None:
-        """One step's tree over `seq_lens` (per row) of `num_requests` requests."""
+               builds: int, lookups: int, plan_seconds: float = 0.0) -> None:
+        """One step's tree over `seq_lens` (per row) of `num_requests` requests;
+        `builds` and `lookups` are the tree cache's counters after it."""
+        step = step_counts(tree, seq_lens, self.block_size, num_requests, multi_token_rows, self.sliding_window,
+                           rebuilt=builds > self.run.tree_builds, plan_seconds=plan_seconds)
         for totals in (self.window, self.run):
-            totals.add(tree, seq_lens, self.block_size, num_requests, multi_token_rows, self.sliding_window)
+            totals.add(step)
+        if self.metrics is not None:
+            self.metrics.record(step)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(format_step_tree(tree, num_requests, len(seq_lens)))
         self.run.tree_builds, self.run.tree_lookups = builds, lookups

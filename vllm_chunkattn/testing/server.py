@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vllm_chunkattn.metrics import METRICS_DIR_ENV
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -46,6 +48,10 @@ class VllmServer:
         self.log_path = Path(log_path or f"/tmp/vllm-serve-{self.port}.log")
         self.startup_timeout_s = startup_timeout_s
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})}
+        # A server collects its own workers' series (vllm_chunkattn/metrics.py), not
+        # into the directory of this process, which may have loaded the plugin too.
+        if METRICS_DIR_ENV not in (env or {}):
+            self.env.pop(METRICS_DIR_ENV, None)
         self.process: subprocess.Popen | None = None
 
     @property
