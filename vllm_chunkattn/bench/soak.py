@@ -285,8 +285,9 @@ def plot(result: dict, path: Path) -> None:
     share.set_ylabel("%")
     share.set_xlabel("minutes")
     share.legend(fontsize=7)
-    fig.suptitle(f"soak: {'passed' if result['verdict']['passed'] else 'FAILED'}, {result['machine_line']}",
-                 fontsize=9)
+    fig.suptitle(f"soak of a chunk server: {'passed' if result['verdict']['passed'] else 'FAILED'} "
+                 f"({result['settings']['minutes']:g} min, {result['settings']['clients']} clients; "
+                 f"{result['machine'].get('cpu_model_name')})\n{machine.cpu_identity(result['machine'])}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
