@@ -76,8 +76,9 @@ def builder_config(shape: StepShape) -> SimpleNamespace:
         scheduler_config=SimpleNamespace(max_num_seqs=shape.batch),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=0),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
-        model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: shape.heads),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: shape.heads,
+                                     served_model_name="step-overhead"),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, data_parallel_rank=0),
         speculative_config=None,
     )
 
