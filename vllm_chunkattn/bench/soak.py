@@ -182,14 +182,15 @@ class Tally:
                     "mismatches": len(self.mismatches), "near_tie_divergences": self.near_tie_divergences}
 
 
-def client_loop(url: str, model: str, mix: list[SoakRequest], seed: int, deadline: float, tally: Tally) -> None:
+def client_loop(url: str, model: str, mix: list[SoakRequest], seed: int, deadline: float, tally: Tally,
+                timeout_s: float) -> None:
     order = list(mix)
     random.Random(seed).shuffle(order)
     for request in itertools.cycle(order):
         if time.monotonic() >= deadline:
             return
         try:
-            answer = send(url, model, request)
+            answer = send(url, model, request, timeout_s)
         except (urllib.error.URLError, OSError, ValueError) as e:  # connection refused or reset: the server is down
             answer = Answer(599, text=repr(e))
         tally.add(request, answer)
@@ -304,6 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-growth", type=float, default=0.05, help="resident memory growth allowed after warm-up")
     ap.add_argument("--near-tie", type=float, default=1e-4,
                     help="a greedy answer may diverge after a step whose two best logprobs are this close")
+    ap.add_argument("--request-timeout", type=float, default=300.0,
+                    help="seconds a request may take before it counts as a server error")
     ap.add_argument("--model", help="model directory (default: the generated tiny model)")
     ap.add_argument("--server-args", default="", help="more `vllm serve` arguments, one string")
     ap.add_argument("--out", type=Path, help="results folder (default: soak-<time>)")
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         deadline = start + 60 * args.minutes
         clients = [threading.Thread(target=client_loop, daemon=True,
-                                    args=(server.url, model, request_mix(), seed, deadline, tally))
+                                    args=(server.url, model, request_mix(), seed, deadline, tally, args.request_timeout))
                    for seed in range(args.clients)]
         for c in clients:
             c.start()
