@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     with VllmServer(model, serve_args, log_path=out / "server.log") as server:
         start = time.monotonic()
         deadline = start + 60 * args.minutes
-        clients = [threading.Thread(target=client_loop, daemon=True,
-                                    args=(server.url, model, request_mix(), seed, deadline, tally, args.request_timeout))
+        clients = [threading.Thread(target=client_loop, daemon=True, args=(
+                       server.url, model, request_mix(), seed, deadline, tally, args.request_timeout))
                    for seed in range(args.clients)]
         for c in clients:
             c.start()
