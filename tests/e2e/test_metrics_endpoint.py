@@ -1,7 +1,9 @@
 """The prefix tree's series on the API server's /metrics (vllm_chunkattn/metrics.py),
 with tensor parallelism over 2 ranks: the values are the ones the workload
-implies, counted once (not once per rank), and every query of the Grafana
-dashboard names a series the server exports."""
+implies, counted once (not once per rank); requests that lose their share of a
+cached prefix (prompt logprobs) are counted by cause and reported once (patch
+0005); and every query of the Grafana dashboard names a series the server
+exports."""
 
 from __future__ import annotations
 
@@ -31,18 +33,22 @@ PREFIX_CHUNKS, SUFFIX_TOKENS, MAX_TOKENS, NUM_REQUESTS = 4, 40, 8, 4
 
 def scrape(url: str) -> dict[str, float]:
     """Sample name -> value, summed over label sets (one model, one engine
-    here; histogram buckets sum to nothing meaningful and are only named)."""
+    here; histogram buckets sum to nothing meaningful and are only named),
+    and (sample name, reason) -> value for series labelled by reason."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    values: dict[str, float] = {}
+    values: dict = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             values[s.name] = values.get(s.name, 0.0) + s.value
+            if "reason" in s.labels:
+                values[s.name, s.labels["reason"]] = s.value
     return values
 
 
-def complete(url: str, model: str, prompt: list[int]) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+def complete(url: str, model: str, prompt: list[int], **params) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            **params}
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as r:
@@ -62,16 +68,24 @@ def test_tree_series_count_the_workload_once_under_tensor_parallelism(tmp_path):
     # per request and only decode rows run through the tree.
     rng = random.Random(0)
     prefix = [rng.randrange(100, 500) for _ in range(PREFIX_CHUNKS * block_size)]
-    prompts = [prefix + [rng.randrange(100, 500) for _ in range(SUFFIX_TOKENS)] for _ in range(NUM_REQUESTS + 1)]
+    prompts = [prefix + [rng.randrange(100, 500) for _ in range(SUFFIX_TOKENS)] for _ in range(NUM_REQUESTS + 3)]
     prompt_len = len(prompts[0])
+    logprobs_prompts = prompts[NUM_REQUESTS + 1 :]
 
     with VllmServer(model, args, log_path=tmp_path / "server.log", env=env) as server:
         complete(server.url, model, prompts[0])  # caches the prefix
         before = scrape(server.url)
         with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-            list(pool.map(lambda p: complete(server.url, model, p), prompts[1:]))
+            list(pool.map(lambda p: complete(server.url, model, p), prompts[1 : NUM_REQUESTS + 1]))
         after = scrape(server.url)
+        # Two requests with the cached prefix that ask for prompt logprobs:
+        # vLLM does not read the prefix cache for them, so each recomputes the
+        # prefix into blocks of its own, and decoding together they share nothing.
+        with ThreadPoolExecutor(len(logprobs_prompts)) as pool:
+            list(pool.map(lambda p: complete(server.url, model, p, prompt_logprobs=1), logprobs_prompts))
+        final = scrape(server.url)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    lost = {name: final.get(name, 0.0) - after.get(name, 0.0) for name in final}
 
     # Each request decodes MAX_TOKENS - 1 tokens after its prefill, one tree row
     # each, attending prompt_len + 1, ..., prompt_len + MAX_TOKENS - 1 keys.
@@ -89,18 +103,31 @@ def test_tree_series_count_the_workload_once_under_tensor_parallelism(tmp_path):
     assert 0 < delta["vllm:chunk_tree_rebuilds_total"] <= delta["vllm:chunk_tree_steps_total"]
     assert delta["vllm:chunk_plan_seconds_count"] == delta["vllm:chunk_tree_steps_total"]
 
+    # The sharing the prompt-logprobs requests lost: both decoded through the
+    # tree, read nothing once for the two, and each is counted with what the
+    # cache held of its prompt (the whole-chunk prefix) and reported once.
+    assert lost["vllm:chunk_tree_rows_total"] == len(logprobs_prompts) * decode_steps
+    assert lost["vllm:chunk_kv_tokens_saved_total"] == 0
+    assert lost["vllm:prefix_cache_skipped_requests_total", "prompt_logprobs"] == len(logprobs_prompts)
+    assert lost["vllm:prefix_cache_skipped_hits_total", "prompt_logprobs"] == len(logprobs_prompts) * len(prefix)
+    assert delta["vllm:prefix_cache_skipped_requests_total"] == 0
+    log = server.log_text()
+    assert log.count("that the prefix cache holds") == 1, server.log_tail()
+    assert f"recomputes {len(prefix)} prompt tokens" in log
+    assert "because it asks for prompt logprobs" in log
+
     # The whole run as /metrics showed it equals what each rank logged for the
     # whole run when it exited (the ranks agree: same tree, same block tables).
-    summaries = parse_run_summaries(server.log_text())
+    summaries = parse_run_summaries(log)
     assert len(summaries) == 2, server.log_tail()
     assert summaries[0] == summaries[1]
-    assert after["vllm:chunk_kv_tokens_saved_total"] == summaries[0].saved_tokens
-    assert after["vllm:chunk_kv_tokens_attended_total"] == summaries[0].context_tokens
-    assert after["vllm:chunk_tree_steps_total"] == summaries[0].steps
+    assert final["vllm:chunk_kv_tokens_saved_total"] == summaries[0].saved_tokens
+    assert final["vllm:chunk_kv_tokens_attended_total"] == summaries[0].context_tokens
+    assert final["vllm:chunk_tree_steps_total"] == summaries[0].steps
 
     # Every series of the dashboard is on /metrics, ours and vLLM's.
     dashboard = json.loads(DASHBOARD.read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"vllm:[a-z_]+", target["expr"])}
-    assert queried - set(after) == set()
+    assert queried - set(final) == set()
     assert {s.name for s in SERIES} <= {re.sub(r"_(total|sum|count|bucket)$", "", n) for n in queried}

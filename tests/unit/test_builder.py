@@ -49,11 +49,11 @@ def built_in_cpu_tuning(monkeypatch):
     monkeypatch.setenv(cpu_tuning.ENV_VAR, "default")
 
 
-def make_builder() -> ChunkAttentionMetadataBuilder:
+def make_builder(enable_prefix_caching: bool = True) -> ChunkAttentionMetadataBuilder:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float32)
     # The embedded test model: 4 query heads of 64 over 2 KV heads, as in the spec.
     config = VllmConfig(model_config=ModelConfig(model=ensure_model("tiny")),
-                        cache_config=CacheConfig(enable_prefix_caching=True))
+                        cache_config=CacheConfig(enable_prefix_caching=enable_prefix_caching))
     return ChunkAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
 
 
@@ -257,3 +257,27 @@ def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch, reach, max
         assert builder.reorder_batch_threshold == max_query_len
     finally:
         before.apply()
+
+
+def test_prefix_caching_off_is_reported_once_per_process():
+    """Without prefix caching no request shares a block: the builder of every
+    KV-cache group (and the ones built after) says so once, not once each."""
+    import logging
+
+    from vllm_chunkattn import BACKEND_NAME
+    from vllm_chunkattn.backend.stats import logger
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        make_builder(enable_prefix_caching=False)
+        make_builder(enable_prefix_caching=False)
+        make_builder(enable_prefix_caching=True)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if "prefix caching disabled" in r.getMessage()] == [
+        f"{BACKEND_NAME} attention with prefix caching disabled: requests share no KV blocks, so nothing is shared and "
+        "decode runs as plain paged attention. Enable prefix caching to benefit."
+    ]

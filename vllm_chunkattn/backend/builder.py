@@ -29,10 +29,10 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunkattn import BACKEND_NAME
-from vllm_chunkattn.metrics import TreeMetricsWriter, metrics_writer
 from vllm_chunkattn.backend.stats import DecodeStats, logger
 from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.kernels.support import CUDA, for_platform, names
+from vllm_chunkattn.metrics import TreeMetricsWriter, metrics_writer
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
 from vllm_chunkattn.prefix.query_rows import TreeRows, expand_query_rows
@@ -133,7 +133,8 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 BACKEND_NAME, max_batch, self.device_tree.max_nodes, self.device_tree.max_partial_rows,
             )
         if not vllm_config.cache_config.enable_prefix_caching:
-            logger.warning(
+            # A cause of lost sharing, reported once (the others: README, Metrics).
+            logger.warning_once(
                 "%s attention with prefix caching disabled: requests share no KV "
                 "blocks, so nothing is shared and decode runs as plain paged attention. "
                 "Enable prefix caching to benefit.",

@@ -32,11 +32,12 @@ def metrics_text(url: str, timeout_s: float = 5.0) -> str:
         return r.read().decode()
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> tuple[dict[str, float], dict[str, str]]:
-    """The sampled metrics (summed over label sets), and the labels of
-    `vllm:cache_config_info` (block size, KV cache bytes, ...)."""
+def scrape(url: str, timeout_s: float = 5.0, series: tuple[str, ...] = SAMPLED
+           ) -> tuple[dict[str, float], dict[str, str]]:
+    """The sampled metrics (`series`, summed over label sets), and the labels
+    of `vllm:cache_config_info` (block size, KV cache bytes, ...)."""
     text = metrics_text(url, timeout_s)
-    values = dict.fromkeys(SAMPLED, 0.0)
+    values = dict.fromkeys(series, 0.0)
     cache_config: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

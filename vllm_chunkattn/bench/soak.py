@@ -43,10 +43,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_chunkattn.bench import machine
-from vllm_chunkattn.bench.metrics_poller import metrics_text
+from vllm_chunkattn.bench.metrics_poller import scrape
 from vllm_chunkattn.testing.compare import compare_runs
 from vllm_chunkattn.testing.models import ensure_model
 from vllm_chunkattn.testing.server import VllmServer
@@ -217,15 +216,6 @@ def process_group_rss_mib(pgid: int) -> dict[str, float]:
     return rss
 
 
-def sample_metrics(url: str) -> dict[str, float]:
-    values = dict.fromkeys(SAMPLED_SERIES, 0.0)
-    for family in text_string_to_metric_families(metrics_text(url)):
-        for s in family.samples:
-            if s.name in values:
-                values[s.name] += s.value
-    return values
-
-
 def verdict(samples: list[dict], counts: dict, warmup_s: float, max_growth: float) -> dict:
     """Pass or fail, and the figures it rests on."""
     failures = []
@@ -346,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             if now >= next_sample or now >= deadline:
                 rss = process_group_rss_mib(server.process.pid)
                 try:
-                    metrics = sample_metrics(server.url)
+                    metrics, _ = scrape(server.url, series=SAMPLED_SERIES)
                 except OSError:
                     metrics = dict.fromkeys(SAMPLED_SERIES, float("nan"))
                 sample = {"elapsed_s": round(now - start, 1), "rss_mib": rss, "rss_total_mib": sum(rss.values()),
