@@ -320,10 +320,22 @@ def test_kernel_bench_with_sinks_agrees_with_vllms_kernel(tmp_path):
     assert "with an attention sink" in (tmp_path / "table.md").read_text()
 
 
-def test_several_windows_run_each_point_back_to_back_and_report_what_each_keeps(tmp_path):
+def test_several_windows_time_each_point_in_one_rotation_and_report_what_each_keeps(tmp_path, monkeypatch):
+    rotations = []
+    time_interleaved = kernel.time_interleaved
+
+    def recording(candidates, *args):
+        rotations.append(sorted(c.name for c in candidates))
+        return time_interleaved(candidates, *args)
+
+    monkeypatch.setattr(kernel, "time_interleaved", recording)
     code = kernel.main(["--quick", "--grid", "tree", "--dtype", "fp32", "--impls", "ours,PagedAttn*", "--repeats", "2",
                         "--warmup", "1", "--sliding-window", "0,100", "--out", str(tmp_path)])
+    # Every window's outputs were checked against ours under that window (W=100 hides keys of the
+    # longer contexts, so checking across windows would fail), and both windows ran in one rotation.
     assert code == 0
+    assert rotations and all(r == [(0, "PagedAttn*"), (0, "ours"), (100, "PagedAttn*"), (100, "ours")]
+                             for r in rotations)
     results = json.loads((tmp_path / "results.json").read_text())
     ours = [r for r in results["records"] if r["impl"] == "ours"]
     assert [r["window"] for r in ours] == [0, 100] * (len(ours) // 2)  # adjacent, in the order given

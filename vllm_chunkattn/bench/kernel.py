@@ -411,16 +411,20 @@ class PointResult:
     skipped: dict[str, str]  # implementation -> why it was left out of this point
 
 
+def check(label: str, dtype: torch.dtype, candidates: list[Candidate]) -> PointResult:
+    """One call of each candidate, outputs compared with ours; no timing yet."""
+    outputs = {c.name: c.step().clone() for c in candidates}
+    diffs = {name: agreement.max_abs_diff(out, outputs["ours"]) for name, out in outputs.items() if name != "ours"}
+    return PointResult({}, diffs, agreement.check(label, dtype, diffs, reference="ours"), {})
+
+
 def check_and_time(label: str, dtype: torch.dtype, candidates: list[Candidate], repeats: int, warmup: int,
                    flush: Callable[[], None] | None) -> PointResult:
     """One call of each candidate; outputs compared with ours; only if they agree, the timing."""
-    outputs = {c.name: c.step().clone() for c in candidates}
-    diffs = {name: agreement.max_abs_diff(out, outputs["ours"]) for name, out in outputs.items() if name != "ours"}
-    disagreements = agreement.check(label, dtype, diffs, reference="ours")
-    del outputs
-    if disagreements:
-        return PointResult({}, diffs, disagreements, {})
-    return PointResult(time_interleaved(candidates, repeats, max(0, warmup - 1), flush), diffs, [], {})
+    result = check(label, dtype, candidates)
+    if not result.disagreements:
+        result.times = time_interleaved(candidates, repeats, max(0, warmup - 1), flush)
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -463,13 +467,17 @@ def memory_term_bytes(nbytes: int, flushed: bool, machine_record: dict) -> int:
 
 
 def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: Callable[[], None] | None,
-              rng: np.random.Generator) -> PointResult:
+              rng: np.random.Generator, windows: tuple[int, ...] | None = None) -> list[PointResult]:
+    """The point once per window in `windows` (default: its own), on the same inputs, every window's
+    implementations timed in one interleaved rotation: how much speedup a window keeps is a ratio of
+    ratios, and the VM's drift between two back-to-back timings would be most of it. One result per window;
+    each window's outputs are checked against ours under the same window."""
+    windows = windows or (w.window,)
     dtype = DTYPES[w.dtype]
     scale = w.head_dim**-0.5
     seq_lens = torch.full((w.batch,), w.context, dtype=torch.int32)
     query = torch.empty(w.batch, w.heads, w.head_dim, dtype=dtype).uniform_(-2.0, 2.0)
     qsl = torch.arange(w.batch + 1, dtype=torch.int32)
-    candidates: list[Candidate] = []
     skipped: dict[str, str] = {}
 
     shared_table, shared_blocks = block_tables(w, True, rng)
@@ -478,7 +486,6 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
     # Ours is always run: it is the reference of the correctness check, timed only if asked for.
     ctx_cache = tree.PrefixTreeCache()
     ctx = ctx_cache.get(shared_table, seq_lens, w.chunk)
-    ours_out = torch.empty_like(query)
     # The plan is built once per engine step for all layers; its cost is reported apart ("decode plan").
     shape = DecodeShape.of_layer(query, cache)
     plan = ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx)
@@ -486,11 +493,17 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
     # Sinks near the log of the keys' count: each takes a real share of its head's softmax.
     sinks = (torch.from_numpy(rng.standard_normal(w.heads)).float() + math.log(w.context)) if w.sinks else None
 
-    def ours() -> torch.Tensor:
-        ops.tpp_decode(query, cache, plan, scale, ours_out, w.window, sinks=sinks)
-        return ours_out
+    def ours(window: int) -> Callable[[], torch.Tensor]:
+        out = torch.empty_like(query)
 
-    candidates.append(Candidate("ours", ours, repeats, timed="ours" in impls))
+        def step() -> torch.Tensor:
+            ops.tpp_decode(query, cache, plan, scale, out, window, sinks=sinks)
+            return out
+
+        return step
+
+    by_window: dict[int, list[Candidate]] = {
+        window: [Candidate("ours", ours(window), repeats, timed="ours" in impls)] for window in windows}
 
     vllm_blocks = 0
     if "PagedAttn" in impls or "PagedAttn*" in impls:
@@ -504,29 +517,29 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
             vllm_blocks = shared_blocks
             _, key_cache, value_cache = vllm_cache(cache, shared_table, shared_table, vllm_blocks)
             tables = {"PagedAttn*": shared_table}
-        metadata = vops.cpu_attn_get_scheduler_metadata(
-            num_reqs=w.batch, num_heads=w.heads, num_kv_heads=w.heads, head_dim=w.head_dim, seq_lens=seq_lens,
-            dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=w.window or -1,
-            isa=_vllm_isa(dtype, w.chunk), enable_kv_split=True)
 
-        def paged(table: torch.Tensor) -> Callable[[], torch.Tensor]:
+        def paged(table: torch.Tensor, window: int) -> Callable[[], torch.Tensor]:
             out = torch.empty_like(query)
+            metadata = vops.cpu_attn_get_scheduler_metadata(
+                num_reqs=w.batch, num_heads=w.heads, num_kv_heads=w.heads, head_dim=w.head_dim, seq_lens=seq_lens,
+                dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=window or -1,
+                isa=_vllm_isa(dtype, w.chunk), enable_kv_split=True)
 
             def step() -> torch.Tensor:
                 vops.cpu_attention_with_kv_cache(
                     query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
-                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=w.window or -1,
+                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=window or -1,
                     block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=sinks)
                 return out
 
             return step
 
-        for name in ("PagedAttn", "PagedAttn*"):
-            if name in impls:
-                candidates.append(Candidate(name, paged(tables[name]), repeats))
+        for window in windows:
+            by_window[window] += [Candidate(name, paged(tables[name], window), repeats)
+                                  for name in ("PagedAttn", "PagedAttn*") if name in impls]
 
     dense = [i for i in DENSE_IMPLS if i in impls]
-    if dense and (w.window or w.sinks):
+    if dense and (any(windows) or w.sinks):
         for name in dense:
             skipped[name] = "the dense baselines have no sliding window or sinks"
         dense = []
@@ -552,18 +565,28 @@ def run_point(w: Workload, impls: list[str], repeats: int, warmup: int, flush: C
 
         for name, step in (("Naive", naive), ("SDPA", sdpa)):
             if name in dense:
-                candidates.append(Candidate(name, step, dense_repeats))
+                by_window[windows[0]].append(Candidate(name, step, dense_repeats))
 
-    result = check_and_time(w.label(), dtype, candidates, repeats, warmup, flush)
-    result.skipped.update(skipped)
-    if not result.disagreements:
-        result.times["tree rebuild"] = measure(lambda: tree.prefix_tree(shared_table, seq_lens, w.chunk), repeats, 1)
-        result.times["tree lookup"] = measure(lambda: ctx_cache.get(shared_table, seq_lens, w.chunk), repeats, 1)
-        result.times["decode plan"] = measure(lambda: ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx),
-                                              repeats, 1)
-    del candidates, cache
+    results = {window: check(dataclasses.replace(w, window=window).label(), dtype, candidates)
+               for window, candidates in by_window.items()}
+    if not any(r.disagreements for r in results.values()):
+        # One rotation over every window's candidates, named apart while they run.
+        timed = [dataclasses.replace(c, name=(window, c.name)) for window, candidates in by_window.items()
+                 for c in candidates]
+        times = time_interleaved(timed, repeats, max(0, warmup - 1), flush)
+        bookkeeping = {
+            "tree rebuild": measure(lambda: tree.prefix_tree(shared_table, seq_lens, w.chunk), repeats, 1),
+            "tree lookup": measure(lambda: ctx_cache.get(shared_table, seq_lens, w.chunk), repeats, 1),
+            "decode plan": measure(lambda: ops.plan_tpp_decode(shape, shared_table, seq_lens, ctx), repeats, 1),
+        }
+        for window, result in results.items():
+            result.times = {name: ts for (of_window, name), ts in times.items() if of_window == window}
+            result.times.update(bookkeeping)
+    for result in results.values():
+        result.skipped.update(skipped)
+    del by_window, cache
     gc.collect()
-    return result
+    return list(results.values())
 
 
 # ---------------------------------------------------------------------------
@@ -902,8 +925,8 @@ class PlannedPoint:
 
 def plan(grids: list[str], dtypes: list[str], quick: bool, windows: tuple[int, ...] = (0,),
          sinks: bool = False) -> list[PlannedPoint]:
-    """The run's points; with several windows, each point once per window, back to back (so that
-    their ratios come from the same minutes of the same run)."""
+    """The run's points; with several windows, each point once per window, back to back (run_point times
+    them together, so that their ratios come from the same rotation of the same run)."""
     planned = []
     for grid in grids:
         for dtype in dtypes:
@@ -913,6 +936,21 @@ def plan(grids: list[str], dtypes: list[str], quick: bool, windows: tuple[int, .
                 points = [dataclasses.replace(p, window=w, sinks=sinks) for p in points for w in windows]
             planned += [PlannedPoint(grid, p) for p in points]
     return planned
+
+
+def window_groups(planned: list[PlannedPoint]) -> list[list[PlannedPoint]]:
+    """The planned points in runs of one decode point under each of its windows (plan() puts them back to
+    back), which run_point times together; every other point alone."""
+    groups: list[list[PlannedPoint]] = []
+    for planned_point in planned:
+        p = planned_point.point
+        previous = groups[-1][-1] if groups else None
+        if (isinstance(p, Workload) and previous is not None and isinstance(previous.point, Workload)
+                and previous.grid == planned_point.grid and dataclasses.replace(previous.point, window=p.window) == p):
+            groups[-1].append(planned_point)
+        else:
+            groups.append([planned_point])
+    return groups
 
 
 def window_list(text: str) -> tuple[int, ...]:
@@ -932,7 +970,7 @@ def window_name(window: int) -> str:
 
 def window_kept(rows_by_table: dict, windows: tuple[int, ...]) -> list[str]:
     """With several windows: per shared point, its speedup over the faster of vLLM's kernels under each
-    later window as a fraction of its speedup under the first (adjacent points of the same run)."""
+    later window as a fraction of its speedup under the first (timed in one rotation, run_point)."""
     speedup: dict[tuple, float] = {}
     for (grid, dtype, window), rows in rows_by_table.items():
         for r in rows:
@@ -996,7 +1034,7 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
     lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
     if bandwidth_samples:
         sampled = [s.read_bandwidth_gbps for s in bandwidth_samples]
-        lines += [f"- Read bandwidth sampled before each of the {len(sampled)} points: {min(sampled):.1f} to "
+        lines += [f"- Read bandwidth sampled before each of the {len(sampled)} points (a point's windows: one): {min(sampled):.1f} to "
                   f"{max(sampled):.1f} GB/s"]
     unmeasured = machine.unmeasured_instructions(machine_record)
     lines += [
@@ -1084,7 +1122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sliding-window", type=window_list, default=(0,), metavar="W[,W...]",
                         help="decode grids only: every layer with vLLM's sliding window W (each query sees its "
                              "last W keys), ours and vLLM's alike; 0: none. Several, comma-separated: each point "
-                             "once per window, back to back, and how much of its speedup each window keeps")
+                             "once per window, every window's implementations timed in one rotation, and how much "
+                             "of its speedup each window keeps")
     parser.add_argument("--sinks", action="store_true",
                         help="decode grids only: every head with an attention sink (gpt-oss's learned logit), "
                              "ours and vLLM's alike")
@@ -1151,25 +1190,29 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     bandwidth_samples: list[machine.MachineRates] = []
     tunings: dict[DecodeShape, cpu_tuning.ShapeTuning] = {}
-    for planned_point in planned:
-        progress.point(planned_point.label())
-        p = planned_point.point
+    for group in window_groups(planned):
+        for planned_point in group:
+            progress.point(planned_point.label())
+        p = group[0].point
         bandwidth_samples.append(machine.sample_bandwidth(threads, machine_record, args.quick))
         # Ours runs with the tile parameters the engine would use for this shape on this CPU.
         shape = point_shape(p)
         tunings[shape] = cpu_tuning.ensure_tuned(shape)
         if isinstance(p, PrefillPoint):
-            result = run_prefill_point(p, args.repeats, args.warmup, flush, rng)
+            group_results = [run_prefill_point(p, args.repeats, args.warmup, flush, rng)]
         else:
-            result = run_point(p, impls, args.repeats, args.warmup, flush, rng)
-        results.append((planned_point, result))
-        for d in result.disagreements:
-            print(f"FAILED: {d.message()}", flush=True)
-        failures += result.disagreements
-        for name, why in result.skipped.items():
-            print(f"    {name} left out: {why}", flush=True)
-        if result.times:
-            print("    " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()), flush=True)
+            group_results = run_point(p, impls, args.repeats, args.warmup, flush, rng,
+                                      windows=tuple(planned_point.point.window for planned_point in group))
+        for planned_point, result in zip(group, group_results, strict=True):
+            results.append((planned_point, result))
+            for d in result.disagreements:
+                print(f"FAILED: {d.message()}", flush=True)
+            failures += result.disagreements
+            for name, why in result.skipped.items():
+                print(f"    {name} left out: {why}", flush=True)
+            if result.times:
+                print(f"    {window_name(planned_point.point.window) if len(group) > 1 else ''}  "
+                      + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()), flush=True)
     rates.append(measure_rates())
     print(machine.rates_line("machine rates at the end", rates[1]), flush=True)
     env["loadavg_end"] = os.getloadavg()
