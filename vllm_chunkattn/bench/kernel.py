@@ -1034,8 +1034,8 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
     lines += [f"- {machine.rates_line(label, r)}" for label, r in zip(("At the start", "At the end"), rates)]
     if bandwidth_samples:
         sampled = [s.read_bandwidth_gbps for s in bandwidth_samples]
-        lines += [f"- Read bandwidth sampled before each of the {len(sampled)} points (a point's windows: one): {min(sampled):.1f} to "
-                  f"{max(sampled):.1f} GB/s"]
+        lines += [f"- Read bandwidth sampled before each of the {len(sampled)} points (once for all windows of a "
+                  f"point): {min(sampled):.1f} to {max(sampled):.1f} GB/s"]
     unmeasured = machine.unmeasured_instructions(machine_record)
     lines += [
         "",
@@ -1211,8 +1211,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, why in result.skipped.items():
                 print(f"    {name} left out: {why}", flush=True)
             if result.times:
-                print(f"    {window_name(planned_point.point.window) if len(group) > 1 else ''}  "
-                      + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()), flush=True)
+                window = f"{window_name(planned_point.point.window)}: " if len(group) > 1 else ""
+                print("    " + window + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in result.times.items()),
+                      flush=True)
     rates.append(measure_rates())
     print(machine.rates_line("machine rates at the end", rates[1]), flush=True)
     env["loadavg_end"] = os.getloadavg()

@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-
 from vllm_chunkattn.bench import machine
 from vllm_chunkattn.bench.metrics_poller import scrape
 from vllm_chunkattn.testing.compare import compare_runs
