@@ -91,3 +91,32 @@ def test_conversations_continue_from_disk_across_restarts_and_bad_blocks_are_rec
     assert "a block on disk is unusable" in damaged["log"] and "checksum mismatch" in damaged["log"]
     _assert_stock_tokens(damaged, baseline)
     assert [r["disk_loaded_tokens"] for r in damaged["results"][:4]] == [0, 0, 0, 0]
+
+
+def test_a_pinned_prompt_is_computed_before_the_engine_serves_and_read_back_after_a_restart(
+        tmp_path_factory, baseline):
+    """The first conversation's opening prompt pinned: the engine computes it
+    at start (vLLM patch 0006), so that conversation's first turn already finds
+    its 4 whole blocks in the cache, where without the pin it finds nothing.
+    A restarted server reads them back from its disk tier before it serves."""
+    import json
+
+    from vllm_chunkattn.testing.e2e_runs import run_workload
+    from vllm_chunkattn.testing.workload import conversation_openings
+
+    opening = conversation_openings()[1][0]
+    pinned = tmp_path_factory.mktemp("pinned") / "system.json"
+    pinned.write_text(json.dumps(opening))
+    args = ("--pensieve-pinned-prompt", str(pinned), "--pensieve-disk-dir", str(pinned.parent / "disk"))
+    for loaded_from_disk in (0, 128):
+        run = run_workload(tmp_path_factory, CONFIG, "chunk", "conversations", "pensieve", args)
+        assert ("1 pinned prompts, 4 blocks, never evicted; computed, or read from disk, before the engine serves "
+                f"({loaded_from_disk // 32} blocks being read from disk now)") in run["log"]
+        assert (f"pinned prompt 0: 150 tokens, {loaded_from_disk} of them from the host tier ({loaded_from_disk} "
+                "read from disk)") in run["log"]
+        assert "KV connector: ran 1 startup requests (150 prompt tokens)" in run["log"]
+        _assert_stock_tokens(run, baseline)
+        assert run["results"][0]["cached_tokens"] == 128
+        if not loaded_from_disk:  # the other conversations' openings were not pinned
+            assert [r["cached_tokens"] for r in run["results"][1:4]] == [0, 0, 0]
+    assert [r["cached_tokens"] for r in baseline["results"][:4]] == [0, 0, 0, 0]

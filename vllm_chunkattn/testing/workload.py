@@ -139,6 +139,7 @@ class EngineSettings:
     pensieve_policy: str | None = None  # the PensieveConnector's eviction policy; None: no connector
     pensieve_host_gib: float = 0.05
     pensieve_disk_dir: str | None = None  # the connector's disk tier; None: host tier only
+    pensieve_pinned_prompts: tuple[str, ...] = ()  # files of prompts the connector computes at start and keeps
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" or "ray"; None: vLLM's choice
@@ -175,6 +176,9 @@ def make_llm(settings: EngineSettings):
                                           "eviction_policy": settings.pensieve_policy}}
         if settings.pensieve_disk_dir:
             extra["kv_transfer_config"]["kv_connector_extra_config"]["disk_cache_dir"] = settings.pensieve_disk_dir
+        if settings.pensieve_pinned_prompts:
+            extra["kv_transfer_config"]["kv_connector_extra_config"]["pinned_prompts"] = list(
+                settings.pensieve_pinned_prompts)
     return LLM(
         model=settings.model,
         dtype=settings.dtype,
@@ -242,6 +246,13 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
 CONVERSATIONS, TURNS = 4, 3
 
 
+def conversation_openings(seed: int = 0) -> tuple[random.Random, list[list[int]]]:
+    """The conversations' first prompts (150 random tokens each), and the
+    generator that draws their later user messages."""
+    rng = random.Random(seed)
+    return rng, [random_token_ids(rng, 150) for _ in range(CONVERSATIONS)]
+
+
 def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
     """Closed-loop chats: each turn resends the conversation so far (its
     earlier prompts and the engine's own answers) plus a new user message.
@@ -250,9 +261,8 @@ def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
     order, with what the PensieveConnector reported loading."""
     from vllm import SamplingParams
 
-    rng = random.Random(seed)
     llm = make_llm(settings)
-    history = [random_token_ids(rng, 150) for _ in range(CONVERSATIONS)]
+    rng, history = conversation_openings(seed)
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=settings.logprobs, ignore_eos=True)
     results = []
     for turn in range(TURNS):
@@ -263,7 +273,8 @@ def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
             loaded = (out.kv_transfer_params or {}).get("pensieve") or {}
             results.append({"group": f"conversation {conversation} turn {turn}",
                             "prompt_tokens": len(history[conversation]), "tokens": list(completion.token_ids),
-                            "top1_logprobs": top, "host_loaded_tokens": loaded.get("host_loaded_tokens"),
+                            "top1_logprobs": top, "cached_tokens": out.num_cached_tokens,
+                            "host_loaded_tokens": loaded.get("host_loaded_tokens"),
                             "disk_loaded_tokens": loaded.get("disk_loaded_tokens")})
             history[conversation] = (history[conversation] + list(completion.token_ids)
                                      + random_token_ids(rng, 40))
@@ -317,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pensieve", default=None, choices=list(POLICIES),
                         help="keep conversations' KV in the PensieveConnector's host tier, under this eviction policy")
     parser.add_argument("--pensieve-disk-dir", default=None, help="with --pensieve: the connector's disk tier")
+    parser.add_argument("--pensieve-pinned-prompt", action="append", default=[],
+                        help="with --pensieve: a file of a prompt to pin (text, or a .json list of token ids); "
+                             "repeatable")
     parser.add_argument("--pensieve-host-gib", type=float, default=None,
                         help="with --pensieve: the host tier's size (default: the workload's, else 0.05)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -334,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = {**WORKLOAD_ENGINE_SETTINGS.get(args.workload, {}), **{k: v for k, v in given.items() if v is not None}}
     settings = EngineSettings(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
                               pensieve_policy=args.pensieve, pensieve_disk_dir=args.pensieve_disk_dir,
+                              pensieve_pinned_prompts=tuple(args.pensieve_pinned_prompt),
                               tensor_parallel_size=args.tensor_parallel_size,
                               pipeline_parallel_size=args.pipeline_parallel_size,
                               distributed_executor_backend=args.distributed_executor_backend, **engine)
