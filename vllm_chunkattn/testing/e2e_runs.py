@@ -21,6 +21,11 @@ CONFIGS = {
     "bfloat16-gqa-d128-block64": ("tiny-d128", "bfloat16", 64, None, 0.15, 0.15),
     "float16-mha-d64-block128": ("tiny-mha", "float16", 128, None, 0.05, 0.05),
 }
+# The speculative-decoding test's: tiny with tied embeddings, whose greedy output
+# repeats at times, so that n-gram drafts get accepted as well as rejected.
+SPECULATIVE_CONFIGS = {
+    "float32-repeats-gqa-d64-block32": ("tiny-repeats", "float32", 32, None, 1e-3, 0.0),
+}
 # Attention variants (testing/models.py ATTENTION_VARIANTS), run by their own tests.
 VARIANT_CONFIGS = {
     "float32-window80-block32": ("tiny-window", "float32", 32, None, 1e-3, 0.0),
@@ -36,7 +41,7 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
                  pensieve: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
     """`pensieve`: run with the PensieveConnector under this eviction policy;
     `extra_args`: more options of `python -m vllm_chunkattn.testing.workload`."""
-    model, dtype, block_size, num_blocks, _, _ = {**CONFIGS, **VARIANT_CONFIGS}[name]
+    model, dtype, block_size, num_blocks, _, _ = {**CONFIGS, **VARIANT_CONFIGS, **SPECULATIVE_CONFIGS}[name]
     out = tmp_path_factory.mktemp(name) / f"{workload}-{backend}-{pensieve or 'no-connector'}.json"
     cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--workload", workload, "--model-name", model,
            "--backend", backend, "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]

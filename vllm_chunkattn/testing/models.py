@@ -44,6 +44,7 @@ SPECS: dict[str, dict[str, int]] = {
         "tiny-mistral": (256, 4, 64, 2, 2, 512, 4096),  # tiny as Mistral: a window on every layer
         "tiny-bloom": (256, 4, 64, 4, 2, 1024, 4096),   # vLLM's BLOOM: ALiBi, MHA (its MLP is 4x hidden)
         "tiny-gptoss": (256, 4, 64, 2, 2, 256, 4096),   # vLLM's gpt-oss: sinks, window, MoE (4 experts, top 2)
+        "tiny-repeats": (256, 4, 64, 2, 2, 512, 4096),  # tiny, tied embeddings: greedy output repeats at times
         "bench":     (2048, 16, 128, 16, 2, 1024, 8192),  # Llama-2-7B attention, small MLP
         # The serving benchmark's default: shaped like a served model (Llama-3-8B
         # scaled down: GQA 4:1, head_dim 128, MLP 3.5x hidden), so attention's
@@ -81,6 +82,8 @@ ATTENTION_VARIANTS: dict[str, dict] = {
     "tiny-mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 80},
     "tiny-bloom": {"architectures": ["BloomForCausalLM"], "model_type": "bloom", "layer_norm_epsilon": 1e-5,
                    "apply_residual_connection_post_layernorm": False, "tie_word_embeddings": True},
+    # Not an attention variant: the speculative-decoding test's model (TIED_REPEAT_EMBED_STD below).
+    "tiny-repeats": {"tie_word_embeddings": True},
     "tiny-gptoss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "sliding_window": 80,
                     "layer_types": ["sliding_attention", "full_attention"],
                     "num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": True,
@@ -128,6 +131,13 @@ QK_GAIN = 3.0
 VO_GAIN = 2.0
 MLP_GAIN = 1.0
 LM_HEAD_GAIN = 4.0
+# "tiny-repeats": Llama with tied embeddings of this std (no TIED_EMBED_RMS
+# scaling). A token's own embedding then often outscores the context, so
+# greedy output repeats a token or a short run now and then, and n-gram
+# speculative decoding gets some drafts accepted (a quarter of the draft
+# tokens on the shared-prefix workload) and others rejected, while attention
+# still moves the logprobs. Larger stds repeat one token forever.
+TIED_REPEAT_EMBED_STD = 0.5
 
 _SUBJECTS = ("the old man|a young girl|my neighbor|the teacher|our captain|"
              "the small dog|a tired traveler|the engineer|her brother|the king|"
@@ -284,8 +294,9 @@ def _llama_weights(spec: dict, vocab: int, variant: dict, rng, rand) -> dict:
         return np.full(n, gain - 1.0 if gemma else gain, dtype=np.float32)
 
     ones = norm(1.0)
+    tied_llama = variant.get("tie_word_embeddings", False) and not gemma
     # Gemma multiplies embeddings by sqrt(hidden) on the way in.
-    embed_std = TIED_EMBED_RMS / h ** 0.5 if gemma else EMBED_STD
+    embed_std = TIED_EMBED_RMS / h ** 0.5 if gemma else TIED_REPEAT_EMBED_STD if tied_llama else EMBED_STD
     w = {"model.embed_tokens.weight": rand(vocab, h, embed_std * h ** 0.5)}  # std embed_std
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -311,7 +322,7 @@ def _llama_weights(spec: dict, vocab: int, variant: dict, rng, rand) -> dict:
     # Gemma's logits: final hidden state (rms: this gain) . embedding (std embed_std).
     w["model.norm.weight"] = norm(LM_HEAD_GAIN / (embed_std * h ** 0.5)) if gemma else ones
     lm_head = rand(vocab, h, LM_HEAD_GAIN)  # drawn even when tied, so later draws stay put
-    if gemma:
+    if gemma or tied_llama:  # vLLM would load an lm_head.weight into the tied embedding
         _no_special_logits(w["model.embed_tokens.weight"])
     else:
         _no_special_logits(lm_head)
@@ -418,7 +429,7 @@ def _cache_key(name: str) -> str:
     # Hash every input, so editing a spec, a gain or the corpus also
     # invalidates the cache without remembering to bump GENERATOR_VERSION.
     blob = json.dumps([GENERATOR_VERSION, SPECS[name], ATTENTION_VARIANTS.get(name), MAX_VOCAB, EMBED_STD,
-                       QK_GAIN, VO_GAIN, MLP_GAIN, LM_HEAD_GAIN, SPECIAL_TOKENS,
+                       QK_GAIN, VO_GAIN, MLP_GAIN, LM_HEAD_GAIN, TIED_REPEAT_EMBED_STD, SPECIAL_TOKENS,
                        CHAT_TEMPLATE, _corpus()], sort_keys=True)
     return f"{name}-g{GENERATOR_VERSION}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
 
