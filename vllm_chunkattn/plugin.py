@@ -1,5 +1,6 @@
 """vLLM general-plugin entry point: makes `--attention-backend chunk` select
-our backend, and `"kv_connector": "PensieveConnector"` our KV connector, in
+our backend, `"kv_connector": "PensieveConnector"` our KV connector, and
+`"eviction_policy": "pensieve"` our policy for vLLM's OffloadingConnector, in
 every process vLLM starts (API server, engine core, workers).
 
 Why `CUSTOM` and not a new enum member: vLLM pickles its config (which holds
@@ -47,14 +48,16 @@ def register() -> None:
 
 
 def _register_kv_connector() -> None:
-    """`--kv-transfer-config '{"kv_connector": "PensieveConnector", ...}'` (vllm_chunkattn/cache)."""
+    """`--kv-transfer-config '{"kv_connector": "PensieveConnector", ...}'`, and Pensieve's policy for
+    vLLM's OffloadingConnector, `"eviction_policy": "pensieve"` (vllm_chunkattn/cache)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from vllm_chunkattn.cache import CONNECTOR_CLASS, CONNECTOR_NAME
+    from vllm_chunkattn.cache import CONNECTOR_CLASS, CONNECTOR_NAME, offload_policy
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:  # register_connector raises on a second call
         module, _, class_name = CONNECTOR_CLASS.rpartition(".")
         KVConnectorFactory.register_connector(CONNECTOR_NAME, module, class_name)
+    offload_policy.register()
 
 
 def _warn_if_cpu_platform_unpatched() -> None:

@@ -177,6 +177,13 @@ class ConversationTree:
         if path:
             self._latest_of[conversation] = path[-1]
 
+    def touch_blocks(self, keys: Sequence[BlockKey], now: float) -> None:
+        """Requests used these stored blocks at `now`, wherever they sit in the tree."""
+        for key in keys:
+            node = self._nodes.get(key)
+            if node is not None:
+                node.last_access = max(node.last_access, now)
+
     def insert(self, keys: Sequence[BlockKey], now: float) -> list[BlockKey]:
         """Adds the blocks of `keys` not stored yet; returns them, in order.
         The caller stores their data (and calls `remove` if that fails)."""
@@ -219,6 +226,19 @@ class ConversationTree:
         self._forget_removed_conversations()
         return removed
 
+    def detach(self, key: BlockKey) -> None:
+        """Drops one block; the blocks after it stay, each now the start of a
+        chain of its own (a tier whose lookups start where the accelerator's
+        cache stops, vLLM's offloading tier, still uses them)."""
+        node = self._nodes.pop(key, None)
+        if node is None:
+            return
+        del node.parent.children[key]
+        for child in node.children.values():
+            child.parent = self.root
+            self.root.children[child.key] = child
+        self._forget_removed_conversations()
+
     def pin(self, keys: Sequence[BlockKey], pinned: bool = True) -> None:
         """Pins (or unpins) the stored blocks of `keys`; pinned blocks are never evicted."""
         for node in self._path(keys):
@@ -237,6 +257,17 @@ class ConversationTree:
                     raise RuntimeError("release of a block that is not in use")
                 node.in_use -= 1
 
+    def num_evictable(self) -> int:
+        """How many blocks `evict` could drop now: those neither pinned nor in
+        use with no such block after them."""
+        blocked: set[int] = set()  # ids of nodes that stay, and of every node above them
+        for node in self._nodes.values():
+            if not node.evictable():
+                while node is not self.root and id(node) not in blocked:
+                    blocked.add(id(node))
+                    node = node.parent
+        return len(self._nodes) - len(blocked)
+
     def trailing_runs(self, now: float) -> list[TrailingRun]:
         """Every conversation that can lose blocks now, with what it alone holds."""
         runs = []
@@ -250,10 +281,11 @@ class ConversationTree:
             runs.append(TrailingRun(node, length, now - node.last_access))
         return runs
 
-    def evict(self, num_blocks: int, now: float) -> list[BlockKey]:
+    def evict(self, num_blocks: int, now: float, exact: bool = False) -> list[BlockKey]:
         """Drops at least `num_blocks` blocks if it can (fewer when only pinned
-        or in-use blocks are left), as the policy chooses. Returns the keys,
-        each block before its parent."""
+        or in-use blocks are left), as the policy chooses; with `exact`, no
+        more than `num_blocks` either (the last victim loses fewer blocks than
+        the policy chose). Returns the keys, each block before its parent."""
         evicted: list[BlockKey] = []
         while len(evicted) < num_blocks:
             runs = self.trailing_runs(now)
@@ -263,7 +295,8 @@ class ConversationTree:
             if not 1 <= victim.num_blocks <= victim.run.length:
                 raise ValueError(f"policy {self.policy.name} chose {victim.num_blocks} of a run of {victim.run.length}")
             node = victim.run.leaf
-            for _ in range(victim.num_blocks):
+            count = min(victim.num_blocks, num_blocks - len(evicted)) if exact else victim.num_blocks
+            for _ in range(count):
                 parent = node.parent
                 del parent.children[node.key]
                 del self._nodes[node.key]
