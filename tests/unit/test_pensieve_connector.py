@@ -68,6 +68,13 @@ def test_blocks_go_to_host_rows_and_come_back_into_other_blocks():
         assert torch.equal(kv[0], original[name][4]) and torch.equal(kv[5], original[name][2])
         assert torch.equal(kv[1:5], original[name][1:5])
     assert b"a" not in worker.store and len(worker.store) == 2
+    # The copies are counted against the forward steps they sit in (no step was bound here).
+    times = worker.times
+    assert (times.stored_blocks, times.loaded_blocks, times.steps) == (3, 2, 0)
+    worker.step_started()
+    worker.step_finished()
+    worker.step_finished()  # vLLM's deferred finalize may call it twice: one step
+    assert times.steps == 1 and "host-tier copies took" in times.summary()
 
 
 def test_a_cache_whose_blocks_are_not_the_first_dimension_is_refused():

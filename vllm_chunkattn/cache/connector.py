@@ -688,6 +688,26 @@ class _DiskIO:
         self._thread.join()
 
 
+@dataclasses.dataclass
+class _CopyTimes:
+    """Where the worker's time goes: its copies against the forward steps
+    they sit in (from binding a step's metadata to waiting for its saves),
+    the most that overlapping the copies with compute could save."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    loaded_blocks: int = 0
+    load_s: float = 0.0
+    stored_blocks: int = 0
+    store_s: float = 0.0
+
+    def summary(self) -> str:
+        share = (self.load_s + self.store_s) / self.step_s if self.step_s else 0.0
+        return (f"host-tier copies took {share:.1%} of the forward steps' time ({self.steps} steps, "
+                f"{self.step_s:.1f} s): loads of {self.loaded_blocks} blocks {self.load_s:.2f} s, stores of "
+                f"{self.stored_blocks} blocks {self.store_s:.2f} s")
+
+
 class _Worker:
     def __init__(self, config: PensieveConfig, layout: BlockLayout, layer_names: list[str]):
         self.config = config
@@ -700,6 +720,8 @@ class _Worker:
         self.disk = _DiskIO(DiskStore(config.disk_cache_dir, layout)) if config.disk_cache_dir else None
         self.meta = PensieveMetadata()
         self.finished_sending: set[str] = set()
+        self.times = _CopyTimes()
+        self._step_start: float | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         offset = 0
@@ -727,17 +749,23 @@ class _Worker:
         meta, self.meta = self.meta, PensieveMetadata()
         for key in meta.evictions:
             self.store.drop(key)
+        started = time.perf_counter()
         if meta.stores:
             block_ids = torch.tensor([c.block_id for c in meta.stores], dtype=torch.long, device=self.device)
             rows = [self.store.put(c.key) for c in meta.stores]
             for layer, columns in zip(self.layers, self.columns):
                 for row, data in zip(rows, layer.index_select(0, block_ids).cpu()):
                     row[columns].copy_(data)
+            self.times.stored_blocks += len(meta.stores)
+        stored = time.perf_counter()
+        self.times.store_s += stored - started
         if meta.loads:
             block_ids = torch.tensor([c.block_id for c in meta.loads], dtype=torch.long, device=self.device)
             rows = torch.stack([self.store.get(c.key) for c in meta.loads])
             for layer, columns in zip(self.layers, self.columns):
                 layer.index_copy_(0, block_ids, rows[:, columns].to(self.device))
+            self.times.loaded_blocks += len(meta.loads)
+        self.times.load_s += time.perf_counter() - stored
         self.finished_sending.update(meta.finished_after_store)
         if meta.stores or meta.evictions or meta.disk_writes or meta.promotions:
             logger.debug("%s: step copies: %d evictions, %d stores, %d loads; disk: %d drops, %d writes, "
@@ -766,7 +794,18 @@ class _Worker:
         self.finished_sending -= done
         return done or None
 
+    def step_started(self) -> None:
+        self._step_start = time.perf_counter()
+
+    def step_finished(self) -> None:
+        if self._step_start is not None:
+            self.times.steps += 1
+            self.times.step_s += time.perf_counter() - self._step_start
+            self._step_start = None
+
     def shutdown(self) -> None:
+        if self.times.steps:
+            logger.info("%s: %s", CONNECTOR_NAME, self.times.summary())
         if self.disk is not None:
             self.disk.close()
 
@@ -843,6 +882,7 @@ class PensieveConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._worker.meta = connector_metadata
+        self._worker.step_started()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Before the forward pass when this step loads (vLLM orders it so), after it otherwise.
@@ -855,7 +895,7 @@ class PensieveConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        self._worker.step_finished()  # the forward pass is over; vLLM calls this after it
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids), None
