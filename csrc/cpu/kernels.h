@@ -99,6 +99,9 @@ struct KernelTable {
   // chunk's K and V; each K/V element loaded once serves a whole register
   // tile of queries.
   AttnFn lanes;
+  // `lanes` with the bf16 Q.K register block inlined (the same function where
+  // that block does not run); decode takes it when CpuTuning::decode_qk_inline.
+  AttnFn lanes_qk_inline;
 };
 
 // Kernels for the KV dtype and head size on the best ISA of this CPU, or the
@@ -131,6 +134,7 @@ struct CpuTuning {
   int prefill_tile_rows = 64;   // query rows (new tokens x G) per prefill work item
   int lanes_tile_keys = 128;    // keys per attend_lanes tile, rounded down to whole chunks (at least one)
   int prefetch_distance = 1;    // attend_direct: KV tiles ahead of the one computed that are prefetched (0: none)
+  int decode_qk_inline = 0;     // 1: decode's lanes tiles inline the bf16 Q.K block (KernelTable::lanes_qk_inline)
 };
 // Every parameter once: its name (the Python side's), its field and its
 // allowed range [min, max]. set_cpu_tuning checks against it, and the _C
@@ -144,6 +148,7 @@ inline constexpr CpuTuningField kCpuTuningFields[] = {
     {"prefill_tile_rows", &CpuTuning::prefill_tile_rows, 8, 512},
     {"lanes_tile_keys", &CpuTuning::lanes_tile_keys, 16, 2048},
     {"prefetch_distance", &CpuTuning::prefetch_distance, 0, 4},
+    {"decode_qk_inline", &CpuTuning::decode_qk_inline, 0, 1},
 };
 const CpuTuning& cpu_tuning();
 void set_cpu_tuning(const CpuTuning& tuning);  // TORCH_CHECKs each field against its range in kCpuTuningFields

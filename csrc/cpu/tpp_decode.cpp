@@ -252,6 +252,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_nodes = plan.header.num_nodes;
   const KernelTable& kern = cpu::select_kernels(kv_cache.scalar_type(), D);
+  const cpu::AttnFn lanes = cpu::cpu_tuning().decode_qk_inline ? kern.lanes_qk_inline : kern.lanes;
   const KvView kv{kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), static_cast<int>(block_size)};
 
   const int32_t* ord = ctx.order;
@@ -344,7 +345,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       float* mn = scr.get(2, 2 * nh * M);
       job.o = scr.get(1, nh * M * D), job.m = mn, job.n = mn + nh * M;
     }
-    (M <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+    (M <= kern.direct_max_rows ? kern.direct : lanes)(kv, job);
     for (int32_t hh = 0; nh > 1 && hh < nh; ++hh) {
       const int64_t row0 = partial_row(h0 + hh);
       std::copy_n(job.o + hh * M * D, M * D, part_o + row0 * D);
@@ -392,7 +393,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     bool any_key = num_private > 0;
     if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
     if (any_key) {
-      (seq_direct ? kern.direct : kern.lanes)(kv, job);
+      (seq_direct ? kern.direct : lanes)(kv, job);
     } else {
       std::fill(o, o + rows * D, 0.f);
       std::fill(m, m + rows, -std::numeric_limits<float>::infinity());

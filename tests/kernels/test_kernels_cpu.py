@@ -22,6 +22,7 @@ Tolerances (max abs error, relative to the output's scale s = max(1, max|ref|)):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -381,6 +382,19 @@ def test_tpp_decode_one_big_shared_node(isa, threads, num_kv_heads, group):
                       case["query"], 0, ref, case["dtype"], f"tpp_decode, {threads} threads")
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("decode_qk_inline", [0, 1])
+def test_tpp_decode_bf16_node_with_either_qk_block(isa, decode_qk_inline):
+    """Both builds of decode's bf16 matrix-matrix tile (the Q.K register block
+    inlined or called, a measured tile parameter) give the reference's result."""
+    case = _one_big_node(batch=6, num_kv_heads=1, group=8, chunks=24, dtype=torch.bfloat16)
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    ref = _decode_reference(case)
+    tuning = dataclasses.replace(cpu_tuning.current(), decode_qk_inline=decode_qk_inline)
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), case["scale"], out),
+                  case["query"], 0, ref, case["dtype"], f"tpp_decode bf16, decode_qk_inline={decode_qk_inline}", tuning)
 
 
 @pytest.mark.parametrize("isa", ISAS)
