@@ -100,11 +100,12 @@ def test_a_pinned_prompt_is_computed_before_the_engine_serves_and_read_back_afte
     its 4 whole blocks in the cache, where without the pin it finds nothing.
     A restarted server reads them back from its disk tier before it serves."""
     import json
+    import random
 
     from vllm_chunkattn.testing.e2e_runs import run_workload
     from vllm_chunkattn.testing.workload import conversation_openings
 
-    opening = conversation_openings()[1][0]
+    opening = conversation_openings(random.Random(0))[0]  # run_conversations' seed
     pinned = tmp_path_factory.mktemp("pinned") / "system.json"
     pinned.write_text(json.dumps(opening))
     args = ("--pensieve-pinned-prompt", str(pinned), "--pensieve-disk-dir", str(pinned.parent / "disk"))

@@ -86,6 +86,10 @@ PINNED_REQUEST_ID = "pensieve-pinned-prompt"  # the engine-start requests that c
 STARTUP_REQUESTS_HOOK = hasattr(KVConnectorBase_V1, "get_startup_requests")
 
 
+def _is_pinned_prompt_request(request: Request) -> bool:
+    return request.request_id.startswith(PINNED_REQUEST_ID)
+
+
 # ---------------------------------------------------------------------------
 # Configuration (kv_connector_extra_config)
 
@@ -414,7 +418,7 @@ class _Scheduler:
         if state is None:
             cacheable = not (request.mm_features or request.lora_request or request.cache_salt)
             state = self.requests[request.request_id] = _RequestState([], cacheable)
-            if request.request_id.startswith(PINNED_REQUEST_ID):
+            if _is_pinned_prompt_request(request):
                 state.promoted.update(self.pinned_promotions)
         if state.cacheable:
             tokens = request.all_token_ids
@@ -600,7 +604,7 @@ class _Scheduler:
         if state.cacheable:
             self._plan_stores(state, block_ids, request.num_computed_tokens)
         del self.requests[request.request_id]
-        if request.request_id.startswith(PINNED_REQUEST_ID):
+        if _is_pinned_prompt_request(request):
             logger.info("%s: pinned prompt %s: %d tokens, %d of them from the host tier (%d read from disk)",
                         CONNECTOR_NAME, request.request_id.rsplit("-", 1)[1], request.num_prompt_tokens,
                         state.loaded_blocks * self.block_size, state.disk_loaded_blocks * self.block_size)

@@ -9,7 +9,7 @@ constants (csrc/cpu/kernels.h, `CpuTuning`):
   lanes_tile_keys     keys per matrix-matrix tile (shared decode, prefill)
   prefetch_distance   KV tiles prefetched ahead by the per-request decode tile
   decode_qk_inline    1: decode's matrix-matrix tiles inline the bf16 Q.K
-                      register block (10% faster shared decode on a Zen 4;
+                      register block (7 to 11% faster shared decode on a Zen 4;
                       out of line it cured a register spill on a Zen 5)
 
 Nor is the point where a request with several new tokens stops gaining from

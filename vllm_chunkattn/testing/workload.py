@@ -246,11 +246,10 @@ def run_offline(settings: EngineSettings, requests: list[Request], chat: list[li
 CONVERSATIONS, TURNS = 4, 3
 
 
-def conversation_openings(seed: int = 0) -> tuple[random.Random, list[list[int]]]:
-    """The conversations' first prompts (150 random tokens each), and the
-    generator that draws their later user messages."""
-    rng = random.Random(seed)
-    return rng, [random_token_ids(rng, 150) for _ in range(CONVERSATIONS)]
+def conversation_openings(rng: random.Random) -> list[list[int]]:
+    """The conversations' first prompts (150 random tokens each), drawn first
+    from the generator that then draws their later user messages."""
+    return [random_token_ids(rng, 150) for _ in range(CONVERSATIONS)]
 
 
 def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
@@ -262,7 +261,8 @@ def run_conversations(settings: EngineSettings, seed: int = 0) -> dict:
     from vllm import SamplingParams
 
     llm = make_llm(settings)
-    rng, history = conversation_openings(seed)
+    rng = random.Random(seed)
+    history = conversation_openings(rng)
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=settings.logprobs, ignore_eos=True)
     results = []
     for turn in range(TURNS):
