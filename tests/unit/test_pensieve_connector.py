@@ -3,6 +3,7 @@ chain keys, and the worker's copies between vLLM's KV cache and host rows."""
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -75,6 +76,73 @@ def test_blocks_go_to_host_rows_and_come_back_into_other_blocks():
     worker.step_finished()
     worker.step_finished()  # vLLM's deferred finalize may call it twice: one step
     assert times.steps == 1 and "host-tier copies took" in times.summary()
+
+
+def test_a_layers_loads_arrive_before_its_attention_while_later_layers_still_copy():
+    worker, caches = _worker()
+    original = {name: kv.clone() for name, kv in caches.items()}
+    worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1)])
+    worker.run_step()
+    gate = threading.Event()
+    copy_layer = worker._copy_layer
+
+    def layer1_held_back(layer, copies):
+        if layer == 1:
+            assert gate.wait(30)
+        copy_layer(layer, copies)
+
+    worker.copier._copy_layer = layer1_held_back
+    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
+    worker.start_step()  # as vLLM binds a step's metadata, before the forward pass
+    worker.wait_for_layer("layer0")  # layer 0's attention
+    assert torch.equal(caches["layer0"][3], original["layer0"][1])
+    assert torch.equal(caches["layer1"][3], original["layer1"][3])  # not yet copied: the forward pass goes on
+    gate.set()
+    worker.wait_for_layer("layer1")
+    assert torch.equal(caches["layer1"][3], original["layer1"][1])
+    worker.finish_step()
+    assert worker.times.loaded_blocks == 1 and worker.times.waited_s > 0
+
+
+def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_needs_it():
+    worker, caches = _worker()
+    original = {name: kv.clone() for name, kv in caches.items()}
+    worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1)])
+    worker.run_step()
+    gate = threading.Event()
+    copy_layer = worker._copy_layer
+    copied_by = {}
+
+    def copier_stuck(layer, copies):
+        copied_by[layer] = threading.current_thread().name
+        if threading.current_thread().name == "pensieve-copies":
+            assert gate.wait(30)
+        copy_layer(layer, copies)
+
+    worker.copier._copy_layer = copier_stuck
+    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
+    worker.start_step()
+    worker.wait_for_layer("layer1")  # the copier is stuck on a layer: this thread copies layer 1 itself
+    assert torch.equal(caches["layer1"][3], original["layer1"][1])
+    assert copied_by[1] == threading.current_thread().name
+    gate.set()
+    worker.finish_step()
+    assert torch.equal(caches["layer0"][3], original["layer0"][1])
+
+
+def test_a_failed_copy_fails_the_forward_pass_instead_of_running_on_kv_that_did_not_arrive():
+    worker, _ = _worker()
+    worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1)])
+    worker.run_step()
+
+    def broken(layer, copies):
+        raise OSError("simulated")
+
+    worker.copier._copy_layer = broken
+    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
+    worker.start_step()
+    with pytest.raises(RuntimeError, match="host-tier copy failed"):
+        worker.wait_for_layer("layer1")
 
 
 def test_a_cache_whose_blocks_are_not_the_first_dimension_is_refused():

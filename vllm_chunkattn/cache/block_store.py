@@ -85,20 +85,26 @@ class HostStore:
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def put(self, key: BlockKey) -> torch.Tensor:
-        """The row to write block `key` into (a new slot, or its old one)."""
+    def put_slot(self, key: BlockKey) -> int:
+        """The row index to write block `key` into (a new slot, or its old one)."""
         slot = self._slot_of.get(key)
         if slot is None:
             if not self._free:
                 raise RuntimeError("host tier full: evict before storing")
             slot = self._slot_of[key] = self._free.pop()
-        return self.rows[slot]
+        return slot
 
-    def get(self, key: BlockKey) -> torch.Tensor:
+    def slot(self, key: BlockKey) -> int:
         slot = self._slot_of.get(key)
         if slot is None:
             raise BadBlock("not in the host tier")
-        return self.rows[slot]
+        return slot
+
+    def put(self, key: BlockKey) -> torch.Tensor:
+        return self.rows[self.put_slot(key)]
+
+    def get(self, key: BlockKey) -> torch.Tensor:
+        return self.rows[self.slot(key)]
 
     def drop(self, key: BlockKey) -> None:
         slot = self._slot_of.pop(key, None)

@@ -18,9 +18,12 @@ processes and talk only through the per-step metadata):
   Stores are write-through and cover prompts and generated answers: every
   block a request has computed, at the step after it was computed, and the
   rest when the request finishes (its blocks are freed only after the copy).
-- worker side (``_Worker``): a ``HostStore`` pool; runs a step's evictions,
-  stores and loads before the forward pass, copying whole blocks as opaque
-  bytes, so it works with any attention backend's cache layout.
+- worker side (``_Worker``): a ``HostStore`` pool; runs a step's evictions
+  when vLLM binds the step's metadata, then its stores and loads a layer at
+  a time on a background thread (``_LayerCopier``) while the forward pass
+  runs, each layer's attention waiting for that layer's copies
+  (``wait_for_layer_load``). Whole blocks are copied as opaque bytes, so it
+  works with any attention backend's cache layout.
 
 With ``disk_cache_dir`` a third tier keeps blocks on disk (``DiskStore``),
 written through from the host tier on a background thread, so conversations
@@ -696,7 +699,7 @@ class _DiskIO:
 class _CopyTimes:
     """Where the worker's time goes: its copies against the forward steps
     they sit in (from binding a step's metadata to waiting for its saves),
-    the most that overlapping the copies with compute could save."""
+    and how long the forward pass waited for them (what the overlap left)."""
 
     steps: int = 0
     step_s: float = 0.0
@@ -704,12 +707,101 @@ class _CopyTimes:
     load_s: float = 0.0
     stored_blocks: int = 0
     store_s: float = 0.0
+    waited_s: float = 0.0
 
     def summary(self) -> str:
         share = (self.load_s + self.store_s) / self.step_s if self.step_s else 0.0
+        waited = self.waited_s / self.step_s if self.step_s else 0.0
         return (f"host-tier copies took {share:.1%} of the forward steps' time ({self.steps} steps, "
                 f"{self.step_s:.1f} s): loads of {self.loaded_blocks} blocks {self.load_s:.2f} s, stores of "
-                f"{self.stored_blocks} blocks {self.store_s:.2f} s")
+                f"{self.stored_blocks} blocks {self.store_s:.2f} s; the forward pass waited for them "
+                f"{self.waited_s:.2f} s ({waited:.1%})")
+
+
+@dataclasses.dataclass
+class _StepCopies:
+    """One step's copies, as (host row, KV cache block) pairs: stores copy
+    the block out to the row, loads the row into the block."""
+
+    stores: list[tuple[int, int]]
+    loads: list[tuple[int, int]]
+
+
+class _LayerCopier:
+    """Runs a step's copies a layer at a time on a background thread, so that
+    layer L's copies overlap the forward pass through the layers before L.
+    ``wait(L)``, from the attention of layer L, returns once they are done; a
+    layer the thread has not begun by then, the waiting thread copies itself,
+    so a wait costs no more than copying in the forward pass would. A copy
+    that fails is raised in the forward pass: a layer must never run on KV
+    that did not arrive."""
+
+    def __init__(self, copy_layer: Any, num_layers: int):
+        self._copy_layer = copy_layer  # (layer index, _StepCopies) -> None
+        self._num_layers = num_layers
+        self._cond = threading.Condition()
+        self._copies: _StepCopies | None = None
+        self._next = num_layers  # the next layer to claim (num_layers: none left)
+        self._done = [True] * num_layers
+        self._error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pensieve-copies", daemon=True)
+        self._thread.start()
+
+    def start(self, copies: _StepCopies) -> None:
+        self.wait(self._num_layers - 1)  # the previous step's, if vLLM did not wait for them
+        with self._cond:
+            self._copies, self._next, self._done = copies, 0, [False] * self._num_layers
+        self._queue.put(copies)
+
+    def _claim(self, copies: _StepCopies | None) -> int | None:
+        """The next layer to copy of step `copies`, or None (called under the lock)."""
+        if copies is not self._copies or self._next >= self._num_layers:
+            return None
+        self._next += 1
+        return self._next - 1
+
+    def _copy(self, layer: int, copies: _StepCopies) -> None:
+        try:
+            self._copy_layer(layer, copies)
+        except BaseException as e:  # noqa: BLE001 -- handed to the forward pass, which raises it
+            with self._cond:
+                self._error, self._next = e, self._num_layers
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._done[layer] = True
+            self._cond.notify_all()
+
+    def wait(self, layer: int) -> None:
+        while True:
+            with self._cond:
+                if self._error is None and not self._done[layer]:
+                    claimed = self._claim(self._copies) if self._next <= layer else None
+                    if claimed is None:
+                        self._cond.wait()
+                        continue
+                    copies = self._copies
+                elif self._error is not None:
+                    error, self._error = self._error, None
+                    self._done = [True] * self._num_layers
+                    raise RuntimeError(f"{CONNECTOR_NAME}: a host-tier copy failed") from error
+                else:
+                    return
+            self._copy(claimed, copies)
+
+    def _run(self) -> None:
+        while (copies := self._queue.get()) is not None:
+            while True:
+                with self._cond:
+                    layer = self._claim(copies)
+                if layer is None:
+                    break
+                self._copy(layer, copies)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
 
 
 class _Worker:
@@ -717,12 +809,16 @@ class _Worker:
         self.config = config
         self.layout = layout
         self.layer_names = layer_names  # the layout's layer order
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.layers: list[torch.Tensor] = []  # each [num_blocks, block bytes of the layer] uint8
         self.columns: list[slice] = []  # each layer's bytes within a host row
         self.device = torch.device("cpu")
         self.store = HostStore(layout, config.host_blocks(layout.block_bytes))
         self.disk = _DiskIO(DiskStore(config.disk_cache_dir, layout)) if config.disk_cache_dir else None
         self.meta = PensieveMetadata()
+        self._step_meta: PensieveMetadata | None = None  # the step whose copies are under way
+        self.copier: _LayerCopier | None = None  # KV cache in host memory: copies on a background thread
+        self._copying = False  # the copier has this step's copies
         self.finished_sending: set[str] = set()
         self.times = _CopyTimes()
         self._step_start: float | None = None
@@ -743,38 +839,89 @@ class _Worker:
             self.device = kv.device  # host rows are in host memory whatever the KV cache's device
             self.columns.append(slice(offset, offset + width))
             offset += width
+        if self.device.type == "cpu":
+            # numpy's copies release the GIL and stay on the copier's thread (torch's
+            # would start an OpenMP team of their own beside the forward pass's).
+            self._layers_np = [layer.numpy() for layer in self.layers]
+            self._rows_np = self.store.rows.numpy()
+            self.copier = _LayerCopier(self._copy_layer, len(self.layers))
 
-    def run_step(self) -> None:
-        """Evictions, then stores, then loads: a block stored this step (a
-        request that just finished) may be loaded by another one this step.
-        Every block copied out was computed in an earlier step and is held by
-        its request, so this step's forward pass, before or after, leaves it be.
-        Then the disk tier's work goes to its thread."""
+    def _copy_layer(self, layer: int, copies: _StepCopies) -> None:
+        """Layer `layer`'s stores, then its loads: a block stored this step (a
+        request that just finished) may be loaded by another one this step."""
+        started = time.perf_counter()
+        columns = self.columns[layer]
+        if self.copier is not None:
+            kv, rows = self._layers_np[layer], self._rows_np
+            for row, block in copies.stores:
+                rows[row, columns] = kv[block]
+            stored = time.perf_counter()
+            for row, block in copies.loads:
+                kv[block] = rows[row, columns]
+        else:  # an accelerator's KV cache: torch's copies, in the forward pass's stream
+            kv = self.layers[layer]
+            if copies.stores:
+                rows = torch.tensor([r for r, _ in copies.stores], dtype=torch.long)
+                blocks = torch.tensor([b for _, b in copies.stores], dtype=torch.long, device=self.device)
+                self.store.rows[rows, columns] = kv.index_select(0, blocks).cpu()
+            stored = time.perf_counter()
+            if copies.loads:
+                rows = torch.tensor([r for r, _ in copies.loads], dtype=torch.long)
+                blocks = torch.tensor([b for _, b in copies.loads], dtype=torch.long, device=self.device)
+                kv.index_copy_(0, blocks, self.store.rows[rows, columns].to(self.device))
+        self.times.store_s += stored - started
+        self.times.load_s += time.perf_counter() - stored
+
+    def start_step(self) -> None:
+        """Evictions (host rows freed first), then the step's stores and loads,
+        layer by layer: on the copier's thread, overlapping the forward pass,
+        or at once on an accelerator. Every block copied out was computed in an
+        earlier step and is held by its request, and every block loaded lies
+        before the request's first new token, so the forward pass, which writes
+        only its new tokens' slots, leaves both be."""
+        self.finish_step()  # a step vLLM bound without waiting for its saves
         meta, self.meta = self.meta, PensieveMetadata()
         for key in meta.evictions:
             self.store.drop(key)
-        started = time.perf_counter()
-        if meta.stores:
-            block_ids = torch.tensor([c.block_id for c in meta.stores], dtype=torch.long, device=self.device)
-            rows = [self.store.put(c.key) for c in meta.stores]
-            for layer, columns in zip(self.layers, self.columns):
-                for row, data in zip(rows, layer.index_select(0, block_ids).cpu()):
-                    row[columns].copy_(data)
-            self.times.stored_blocks += len(meta.stores)
-        stored = time.perf_counter()
-        self.times.store_s += stored - started
-        if meta.loads:
-            block_ids = torch.tensor([c.block_id for c in meta.loads], dtype=torch.long, device=self.device)
-            rows = torch.stack([self.store.get(c.key) for c in meta.loads])
-            for layer, columns in zip(self.layers, self.columns):
-                layer.index_copy_(0, block_ids, rows[:, columns].to(self.device))
-            self.times.loaded_blocks += len(meta.loads)
-        self.times.load_s += time.perf_counter() - stored
-        self.finished_sending.update(meta.finished_after_store)
+        copies = _StepCopies([(self.store.put_slot(c.key), c.block_id) for c in meta.stores],
+                             [(self.store.slot(c.key), c.block_id) for c in meta.loads])
+        self.times.stored_blocks += len(copies.stores)
+        self.times.loaded_blocks += len(copies.loads)
+        self._step_meta = meta
         if meta.stores or meta.evictions or meta.disk_writes or meta.promotions:
             logger.debug("%s: step copies: %d evictions, %d stores, %d loads; disk: %d drops, %d writes, "
                          "%d blocks read", CONNECTOR_NAME, len(meta.evictions), len(meta.stores), len(meta.loads),
                          len(meta.disk_drops), len(meta.disk_writes), sum(map(len, meta.promotions)))
+        if not (copies.stores or copies.loads):
+            return
+        if self.copier is not None:
+            self.copier.start(copies)
+            self._copying = True
+        else:
+            for layer in range(len(self.layers)):
+                self._copy_layer(layer, copies)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Blocks until layer `layer_name`'s copies of this step are done (every
+        layer's, for a layer the layout does not name)."""
+        if not self._copying:
+            return
+        started = time.perf_counter()
+        self.copier.wait(self.layer_index.get(layer_name, len(self.layers) - 1))
+        self.times.waited_s += time.perf_counter() - started
+
+    def finish_step(self) -> None:
+        """After the forward pass: waits for the step's copies, then reports
+        the requests whose blocks are stored and hands the disk tier its work."""
+        meta, self._step_meta = self._step_meta, None
+        if meta is None:
+            return
+        if self._copying:
+            started = time.perf_counter()
+            self.copier.wait(len(self.layers) - 1)
+            self.times.waited_s += time.perf_counter() - started
+            self._copying = False
+        self.finished_sending.update(meta.finished_after_store)
         if self.disk is not None:
             for key in meta.disk_drops:
                 self.disk.drop(key)
@@ -783,6 +930,11 @@ class _Worker:
                                 torch.cat([layer[item.block_id] for layer in self.layers]).cpu())
             for keys in meta.promotions:
                 self.disk.promote(keys, [self.store.put(key) for key in keys])
+
+    def run_step(self) -> None:
+        """A whole step's copies at once (no forward pass between)."""
+        self.start_step()
+        self.finish_step()
 
     def finished_disk_work(self) -> PensieveWorkerMetadata | None:
         if self.disk is None:
@@ -808,8 +960,11 @@ class _Worker:
             self._step_start = None
 
     def shutdown(self) -> None:
+        self.finish_step()
         if self.times.steps:
             logger.info("%s: %s", CONNECTOR_NAME, self.times.summary())
+        if self.copier is not None:
+            self.copier.close()
         if self.disk is not None:
             self.disk.close()
 
@@ -884,22 +1039,27 @@ class PensieveConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds after it zeroed and copied this step's new blocks and before the
+        # forward pass; the copies start here, so that stores overlap it too (vLLM calls
+        # start_load_kv after the forward pass in a step without loads).
         super().bind_connector_metadata(connector_metadata)
         self._worker.meta = connector_metadata
         self._worker.step_started()
+        self._worker.start_step()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Before the forward pass when this step loads (vLLM orders it so), after it otherwise.
-        self._worker.run_step()
+        return  # started in bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return
 
     def wait_for_save(self) -> None:
-        self._worker.step_finished()  # the forward pass is over; vLLM calls this after it
+        # The forward pass is over (vLLM calls this after it, before get_finished).
+        self._worker.finish_step()
+        self._worker.step_finished()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids), None
