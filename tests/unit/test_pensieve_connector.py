@@ -55,8 +55,12 @@ def _worker(num_blocks=6, host_gib=1e-3, disk_dir=None):
     return worker, caches
 
 
-def test_blocks_go_to_host_rows_and_come_back_into_other_blocks():
+@pytest.mark.parametrize("copies", ["copier thread", "in the forward pass"])
+def test_blocks_go_to_host_rows_and_come_back_into_other_blocks(copies):
     worker, caches = _worker()
+    if copies == "in the forward pass":  # what an accelerator's KV cache takes (torch's copies), run on CPU here
+        worker.copier.close()
+        worker.copier = None
     original = {name: kv.clone() for name, kv in caches.items()}
     worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1), BlockCopy(b"b", 4)], finished_after_store=["r1"])
     worker.run_step()
