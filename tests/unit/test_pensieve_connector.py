@@ -82,22 +82,29 @@ def test_blocks_go_to_host_rows_and_come_back_into_other_blocks(copies):
     assert times.steps == 1 and "host-tier copies took" in times.summary()
 
 
-def test_a_layers_loads_arrive_before_its_attention_while_later_layers_still_copy():
+def _loading_a_stored_block(copy_hook):
+    """A worker that stored block 1 as key a, then began a step that loads a into
+    block 3, its copier copying each layer through copy_hook(layer, copies, copy_layer)."""
     worker, caches = _worker()
     original = {name: kv.clone() for name, kv in caches.items()}
     worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1)])
     worker.run_step()
-    gate = threading.Event()
     copy_layer = worker._copy_layer
+    worker.copier._copy_layer = lambda layer, copies: copy_hook(layer, copies, copy_layer)
+    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
+    worker.start_step()  # as vLLM binds a step's metadata, before the forward pass
+    return worker, caches, original
 
-    def layer1_held_back(layer, copies):
+
+def test_a_layers_loads_arrive_before_its_attention_while_later_layers_still_copy():
+    gate = threading.Event()
+
+    def layer1_held_back(layer, copies, copy_layer):
         if layer == 1:
             assert gate.wait(30)
         copy_layer(layer, copies)
 
-    worker.copier._copy_layer = layer1_held_back
-    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
-    worker.start_step()  # as vLLM binds a step's metadata, before the forward pass
+    worker, caches, original = _loading_a_stored_block(layer1_held_back)
     worker.wait_for_layer("layer0")  # layer 0's attention
     assert torch.equal(caches["layer0"][3], original["layer0"][1])
     assert torch.equal(caches["layer1"][3], original["layer1"][3])  # not yet copied: the forward pass goes on
@@ -109,23 +116,16 @@ def test_a_layers_loads_arrive_before_its_attention_while_later_layers_still_cop
 
 
 def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_needs_it():
-    worker, caches = _worker()
-    original = {name: kv.clone() for name, kv in caches.items()}
-    worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1)])
-    worker.run_step()
     gate = threading.Event()
-    copy_layer = worker._copy_layer
     copied_by = {}
 
-    def copier_stuck(layer, copies):
+    def copier_stuck(layer, copies, copy_layer):
         copied_by[layer] = threading.current_thread().name
         if threading.current_thread().name == "pensieve-copies":
             assert gate.wait(30)
         copy_layer(layer, copies)
 
-    worker.copier._copy_layer = copier_stuck
-    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
-    worker.start_step()
+    worker, caches, original = _loading_a_stored_block(copier_stuck)
     worker.wait_for_layer("layer1")  # the copier is stuck on a layer: this thread copies layer 1 itself
     assert torch.equal(caches["layer1"][3], original["layer1"][1])
     assert copied_by[1] == threading.current_thread().name
@@ -135,16 +135,10 @@ def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_nee
 
 
 def test_a_failed_copy_fails_the_forward_pass_instead_of_running_on_kv_that_did_not_arrive():
-    worker, _ = _worker()
-    worker.meta = PensieveMetadata(stores=[BlockCopy(b"a", 1)])
-    worker.run_step()
-
-    def broken(layer, copies):
+    def broken(layer, copies, copy_layer):
         raise OSError("simulated")
 
-    worker.copier._copy_layer = broken
-    worker.meta = PensieveMetadata(loads=[BlockCopy(b"a", 3)])
-    worker.start_step()
+    worker, _, _ = _loading_a_stored_block(broken)
     with pytest.raises(RuntimeError, match="host-tier copy failed"):
         worker.wait_for_layer("layer1")
 
