@@ -123,6 +123,7 @@ IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
 DECODE_BOOKKEEPING = ("tree rebuild", "tree lookup", "decode plan")  # columns of the decode tables
 STEP_BOOKKEEPING = (*DECODE_BOOKKEEPING, "tree rows plan")
 DENSE_IMPLS = ("Naive", "SDPA")
+VLLM_DECODE_IMPLS = ("PagedAttn", "PagedAttn*")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # --as-avx2-cpu (module docstring): the environment the benchmark re-executes itself with.
 AS_AVX2_CPU_MARKER = "CHUNKATTN_BENCH_AS_AVX2_CPU"  # set in the re-executed process
@@ -748,7 +749,8 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
     """One table of a grid and dtype; rows are dicts made by main()."""
     head = ["n_p", "n_s", "n_c", "batch", "tokens:requests sharing them"] + [f"{i} ms" for i in impls] + ["roofline ms"]
     ratios = [f"{i}/ours" for i in impls if i != "ours"]
-    head += ratios + ["ours/roofline", "bound by", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)",
+    vllm = [i for i in impls if i in VLLM_DECODE_IMPLS]
+    head += ratios + ["ours/roofline"] + (["ceiling: faster vLLM/roofline"] if vllm else []) + ["bound by", "tok/s ours", "rebuild ms (% step)", "lookup ms (% step)",
                       "plan ms (% step)",
                       "max|Δ| vs ours"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -764,6 +766,9 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
                 continue
             cells.append(f"{median[i] / ours:.2f}x" if ours and i in median else "-")
         cells.append(f"{ours / bound.bound_ms:.2f}" if ours else "-")
+        if vllm:
+            faster = min((median[i] for i in vllm if i in median), default=None)
+            cells.append(f"{faster / bound.bound_ms:.2f}x" if faster else "-")
         cells.append(bound.bound_by)
         cells.append(f"{w.batch / (ours / 1e3):.0f}" if ours else "-")
         for key in DECODE_BOOKKEEPING:
@@ -776,14 +781,16 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
 
 def prefill_table(rows: list[dict]) -> str:
     lines = ["| dtype | requests | new tokens | seq_len | heads | d | chunk | ours ms | vLLM ms | vLLM/ours | "
-             "roofline ms | ours/roofline | bound by | GFLOP/s ours | max|Δ| |", "|" + "---|" * 15]
+             "roofline ms | ours/roofline | ceiling: vLLM/roofline | bound by | GFLOP/s ours | max|Δ| |",
+             "|" + "---|" * 16]
     for r in rows:
         p, times, bound = r["p"], r["times"], r["roofline"]
         ours, theirs = statistics.median(times["ours"]), statistics.median(times["vLLM"])
         heads = f"{p.heads}" + (f" / {p.kv_heads} KV" if p.kv_heads != p.heads else "")
         lines.append(f"| {p.dtype} | {p.requests} | {p.new} | {p.context} | {heads} | {p.head_dim} | {p.chunk} | "
                      f"{time_cell(times['ours'])} | {time_cell(times['vLLM'])} | {theirs / ours:.2f}x | "
-                     f"{fmt(bound.bound_ms)} | {ours / bound.bound_ms:.2f} | {bound.bound_by} | "
+                     f"{fmt(bound.bound_ms)} | {ours / bound.bound_ms:.2f} | {theirs / bound.bound_ms:.2f}x | "
+                     f"{bound.bound_by} | "
                      f"{p.flops() / (ours / 1e3) / 1e9:.1f} | {r['diffs']['vLLM']:.1e} |")
     return "\n".join(lines)
 
@@ -794,7 +801,7 @@ def relay_table(rows: list[dict]) -> list[str]:
     start for each shape (ShapeTuning.tree_max_rows_per_kv_head, kernels/cpu_tuning.py)."""
     lines = ["| dtype | heads | q | tree ms | per-request ms | vLLM ms | vLLM/tree | per-request/tree | engine's path | "
              "engine / better of vLLM and per-request | engine / vLLM | tree plan ms (per step) | tree/roofline | "
-             "max|Δ| vLLM, per-request |", "|" + "---|" * 14]
+             "ceiling: vLLM/roofline | max|Δ| vLLM, per-request |", "|" + "---|" * 15]
     wins: dict[int, bool] = {}  # rows per KV head -> the tree path won at every such point
     reach = {point_shape(r["p"]): r["tuning"] for r in rows}
     for r in rows:
@@ -810,7 +817,7 @@ def relay_table(rows: list[dict]) -> list[str]:
                      f"{per_ms / tree_ms:.2f}x | {'tree' if on_tree else 'per-request'} | "
                      f"{min(vllm_ms, per_ms) / engine_ms:.2f}x | {vllm_ms / engine_ms:.2f}x | "
                      f"{fmt(statistics.median(times['tree rows plan']), 3)} | {tree_ms / bound.bound_ms:.2f} | "
-                     f"{r['diffs']['vLLM']:.1e}, {r['diffs']['ours per-request']:.1e} |")
+                     f"{vllm_ms / bound.bound_ms:.2f}x | {r['diffs']['vLLM']:.1e}, {r['diffs']['ours per-request']:.1e} |")
     most = 0
     for rows_per_kv_head in sorted(wins):
         if not wins[rows_per_kv_head]:
@@ -1063,8 +1070,9 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
         f"implementation once in an order rotated by one per repetition; cells: median ±half the range (max - min) "
         f"in % of the median.",
         "",
-        "Ratios X/ours > 1 mean ours is faster. rebuild/lookup: prefix-tree context costs of ours, outside the "
-        "kernel time; % of one layer's decode step of ours.",
+        "Ratios X/ours > 1 mean ours is faster. ceiling: vLLM's time over the roofline, the most any kernel "
+        "could be ahead of vLLM's at the point on this machine. rebuild/lookup: prefix-tree context costs of "
+        "ours, outside the kernel time; % of one layer's decode step of ours.",
         "",
         f"Command: `python -m vllm_chunkattn.bench.kernel {' '.join(env['argv'][1:])}`",
     ]
