@@ -872,6 +872,12 @@ def markdown(results: dict) -> str:
                   "tie): " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in agreement.items()), ""]
     lines += metric_tables(results)
     lines += results.get("slo_lines", [])
+    copies = {name: info["copy_times"] for name, info in results["servers"].items() if info.get("copy_times")}
+    if copies:
+        lines += ["### Host-tier copies", "",
+                  "The connector's worker at shutdown: its copies between vLLM's KV cache and the host tier, which run "
+                  "a layer at a time on a background thread during the forward pass, and how long the forward pass "
+                  "waited for them.", "", *[f"- {name}: {line}" for name, line in copies.items()], ""]
     lines += ["Normalised latency: a turn's end-to-end latency (sent to last token, server queueing included, think "
               "time not) over its output tokens. TTFT: sent to the first streamed token. Prefill computed and hit "
               "counts: the server's counters (`vllm:prompt_tokens_by_source`, `vllm:prefix_cache_*`, "
@@ -929,6 +935,11 @@ def default_slo(results: dict, factor: float) -> dict:
                     f"({_ms(base, 2)} ms/token), the least contended run (`--slo-factor`; `--slo` sets it).")}
 
 
+# What run_once keeps of the connector's log lines (results.json, "servers"): its tier at start, and at
+# shutdown how long its copies took and how long the forward pass waited for them.
+CONNECTOR_LOG_LINES = {"connector_log": "host tier of", "copy_times": "host-tier copies took"}
+
+
 def run_once(args, model: str, config: ServerConfig, rate: float, timed: list[Conversation],
              checked: list[Conversation] | None, sizing: CacheSizing, common: list[str], out: Path,
              progress) -> tuple[RunMetrics | None, ClientRun | None, ClientRun | None, dict]:
@@ -973,9 +984,10 @@ def run_once(args, model: str, config: ServerConfig, rate: float, timed: list[Co
     finally:
         server.stop()
         log = server.log_text()
-        host_line = next((line for line in log.splitlines() if "PensieveConnector: host tier of" in line), None)
-        if host_line:
-            info["connector_log"] = host_line.split("PensieveConnector: ", 1)[1]
+        for key, mark in CONNECTOR_LOG_LINES.items():
+            line = next((line for line in log.splitlines() if f"PensieveConnector: {mark}" in line), None)
+            if line:
+                info[key] = line.split("PensieveConnector: ", 1)[1]
 
 
 def _raw(records: list[TurnRecord]) -> list[dict]:

@@ -713,9 +713,9 @@ class _CopyTimes:
         share = (self.load_s + self.store_s) / self.step_s if self.step_s else 0.0
         waited = self.waited_s / self.step_s if self.step_s else 0.0
         return (f"host-tier copies took {share:.1%} of the forward steps' time ({self.steps} steps, "
-                f"{self.step_s:.1f} s): loads of {self.loaded_blocks} blocks {self.load_s:.2f} s, stores of "
-                f"{self.stored_blocks} blocks {self.store_s:.2f} s; the forward pass waited for them "
-                f"{self.waited_s:.2f} s ({waited:.1%})")
+                f"{self.step_s:.1f} s): loads of {self.loaded_blocks} blocks {self.load_s:.3f} s, stores of "
+                f"{self.stored_blocks} blocks {self.store_s:.3f} s; the forward pass waited for them "
+                f"{self.waited_s:.3f} s ({waited:.1%})")
 
 
 @dataclasses.dataclass
