@@ -116,22 +116,46 @@ def test_a_layers_loads_arrive_before_its_attention_while_later_layers_still_cop
 
 
 def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_needs_it():
-    gate = threading.Event()
+    gate, copier_holds_a_layer = threading.Event(), threading.Event()
     copied_by = {}
 
     def copier_stuck(layer, copies, copy_layer):
         copied_by[layer] = threading.current_thread().name
         if threading.current_thread().name == "pensieve-copies":
+            copier_holds_a_layer.set()
             assert gate.wait(30)
         copy_layer(layer, copies)
 
     worker, caches, original = _loading_a_stored_block(copier_stuck)
-    worker.wait_for_layer("layer1")  # the copier is stuck on a layer: this thread copies layer 1 itself
+    assert copier_holds_a_layer.wait(30)
+    worker.wait_for_layer("layer1")  # the copier is stuck on layer 0: this thread copies layer 1 itself
     assert torch.equal(caches["layer1"][3], original["layer1"][1])
     assert copied_by[1] == threading.current_thread().name
     gate.set()
     worker.finish_step()
     assert torch.equal(caches["layer0"][3], original["layer0"][1])
+
+
+def test_the_step_ends_only_when_every_layer_is_copied_whoever_copies_it():
+    gate, copier_holds_a_layer = threading.Event(), threading.Event()
+
+    def copier_stuck(layer, copies, copy_layer):
+        if threading.current_thread().name == "pensieve-copies":
+            copier_holds_a_layer.set()
+            assert gate.wait(30)
+        copy_layer(layer, copies)
+
+    worker, caches, original = _loading_a_stored_block(copier_stuck)
+    assert copier_holds_a_layer.wait(30)
+    # The copier holds layer 0; the finishing thread copies layer 1, and must still wait for the copier's.
+    finishing = threading.Thread(target=worker.finish_step)
+    finishing.start()
+    finishing.join(0.5)
+    assert finishing.is_alive()
+    gate.set()
+    finishing.join(30)
+    for name in caches:
+        assert torch.equal(caches[name][3], original[name][1])
 
 
 def test_a_failed_copy_fails_the_forward_pass_instead_of_running_on_kv_that_did_not_arrive():

@@ -749,7 +749,7 @@ class _LayerCopier:
         self._thread.start()
 
     def start(self, copies: _StepCopies) -> None:
-        self.wait(self._num_layers - 1)  # the previous step's, if vLLM did not wait for them
+        self.wait_all()  # the previous step's, if vLLM did not wait for them
         with self._cond:
             self._copies, self._next, self._done = copies, 0, [False] * self._num_layers
         self._queue.put(copies)
@@ -770,8 +770,15 @@ class _LayerCopier:
                 self._cond.notify_all()
             return
         with self._cond:
-            self._done[layer] = True
+            if copies is self._copies:  # not a step that failed and was replaced meanwhile
+                self._done[layer] = True
             self._cond.notify_all()
+
+    def wait_all(self) -> None:
+        """Every layer's copies: a layer may still be in the thread's hands when the waiter has copied the
+        layers after it."""
+        for layer in range(self._num_layers):
+            self.wait(layer)
 
     def wait(self, layer: int) -> None:
         while True:
@@ -918,7 +925,7 @@ class _Worker:
             return
         if self._copying:
             started = time.perf_counter()
-            self.copier.wait(len(self.layers) - 1)
+            self.copier.wait_all()
             self.times.waited_s += time.perf_counter() - started
             self._copying = False
         self.finished_sending.update(meta.finished_after_store)
