@@ -115,19 +115,26 @@ def test_a_layers_loads_arrive_before_its_attention_while_later_layers_still_cop
     assert worker.times.loaded_blocks == 1 and worker.times.waited_s > 0
 
 
-def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_needs_it():
-    gate, copier_holds_a_layer = threading.Event(), threading.Event()
+def _copier_holding_layer_0():
+    """_loading_a_stored_block with the copier thread held in its first layer, layer 0, until `gate` is
+    set; copied_by: the thread that copied each layer."""
+    gate, holding = threading.Event(), threading.Event()
     copied_by = {}
 
     def copier_stuck(layer, copies, copy_layer):
         copied_by[layer] = threading.current_thread().name
         if threading.current_thread().name == "pensieve-copies":
-            copier_holds_a_layer.set()
+            holding.set()
             assert gate.wait(30)
         copy_layer(layer, copies)
 
     worker, caches, original = _loading_a_stored_block(copier_stuck)
-    assert copier_holds_a_layer.wait(30)
+    assert holding.wait(30)
+    return worker, caches, original, gate, copied_by
+
+
+def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_needs_it():
+    worker, caches, original, gate, copied_by = _copier_holding_layer_0()
     worker.wait_for_layer("layer1")  # the copier is stuck on layer 0: this thread copies layer 1 itself
     assert torch.equal(caches["layer1"][3], original["layer1"][1])
     assert copied_by[1] == threading.current_thread().name
@@ -137,17 +144,8 @@ def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_nee
 
 
 def test_the_step_ends_only_when_every_layer_is_copied_whoever_copies_it():
-    gate, copier_holds_a_layer = threading.Event(), threading.Event()
-
-    def copier_stuck(layer, copies, copy_layer):
-        if threading.current_thread().name == "pensieve-copies":
-            copier_holds_a_layer.set()
-            assert gate.wait(30)
-        copy_layer(layer, copies)
-
-    worker, caches, original = _loading_a_stored_block(copier_stuck)
-    assert copier_holds_a_layer.wait(30)
-    # The copier holds layer 0; the finishing thread copies layer 1, and must still wait for the copier's.
+    worker, caches, original, gate, _ = _copier_holding_layer_0()
+    # The finishing thread copies layer 1, and must still wait for the copier's layer 0.
     finishing = threading.Thread(target=worker.finish_step)
     finishing.start()
     finishing.join(0.5)
