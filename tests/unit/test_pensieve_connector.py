@@ -143,10 +143,12 @@ def test_a_layer_the_copier_has_not_begun_is_copied_by_the_forward_pass_that_nee
     assert torch.equal(caches["layer0"][3], original["layer0"][1])
 
 
-def test_the_step_ends_only_when_every_layer_is_copied_whoever_copies_it():
+@pytest.mark.parametrize("waiter", ["the step's end", "a layer the layout does not name"])
+def test_the_step_ends_only_when_every_layer_is_copied_whoever_copies_it(waiter):
     worker, caches, original, gate, _ = _copier_holding_layer_0()
-    # The finishing thread copies layer 1, and must still wait for the copier's layer 0.
-    finishing = threading.Thread(target=worker.finish_step)
+    # The waiting thread copies layer 1, and must still wait for the copier's layer 0.
+    finishing = threading.Thread(target=worker.finish_step if waiter == "the step's end" else
+                                 lambda: worker.wait_for_layer("draft.layers.0.attn"))
     finishing.start()
     finishing.join(0.5)
     assert finishing.is_alive()

@@ -983,9 +983,9 @@ def run_once(args, model: str, config: ServerConfig, rate: float, timed: list[Co
         return metrics, client, check, info
     finally:
         server.stop()
-        log = server.log_text()
+        log_lines = server.log_text().splitlines()
         for key, mark in CONNECTOR_LOG_LINES.items():
-            line = next((line for line in log.splitlines() if f"PensieveConnector: {mark}" in line), None)
+            line = next((line for line in log_lines if f"PensieveConnector: {mark}" in line), None)
             if line:
                 info[key] = line.split("PensieveConnector: ", 1)[1]
 

@@ -854,27 +854,33 @@ class _Worker:
             self.copier = _LayerCopier(self._copy_layer, len(self.layers))
 
     def _copy_layer(self, layer: int, copies: _StepCopies) -> None:
-        """Layer `layer`'s stores, then its loads: a block stored this step (a
-        request that just finished) may be loaded by another one this step."""
+        """Layer `layer`'s stores, then its loads (the copier's numpy copies; the
+        waiter's too): a block stored this step (a request that just finished)
+        may be loaded by another one this step."""
         started = time.perf_counter()
-        columns = self.columns[layer]
-        if self.copier is not None:
-            kv, rows = self._layers_np[layer], self._rows_np
-            for row, block in copies.stores:
-                rows[row, columns] = kv[block]
-            stored = time.perf_counter()
-            for row, block in copies.loads:
-                kv[block] = rows[row, columns]
-        else:  # an accelerator's KV cache: torch's copies, in the forward pass's stream
-            kv = self.layers[layer]
-            if copies.stores:
-                rows = torch.tensor([r for r, _ in copies.stores], dtype=torch.long)
-                blocks = torch.tensor([b for _, b in copies.stores], dtype=torch.long, device=self.device)
+        columns, kv, rows = self.columns[layer], self._layers_np[layer], self._rows_np
+        for row, block in copies.stores:
+            rows[row, columns] = kv[block]
+        stored = time.perf_counter()
+        for row, block in copies.loads:
+            kv[block] = rows[row, columns]
+        self.times.store_s += stored - started
+        self.times.load_s += time.perf_counter() - stored
+
+    def _copy_in_forward_pass(self, copies: _StepCopies) -> None:
+        """An accelerator's KV cache: every layer's stores, then every layer's
+        loads, with torch's copies in the forward pass's stream."""
+        started = time.perf_counter()
+        if copies.stores:
+            rows = torch.tensor([r for r, _ in copies.stores], dtype=torch.long)
+            blocks = torch.tensor([b for _, b in copies.stores], dtype=torch.long, device=self.device)
+            for kv, columns in zip(self.layers, self.columns):
                 self.store.rows[rows, columns] = kv.index_select(0, blocks).cpu()
-            stored = time.perf_counter()
-            if copies.loads:
-                rows = torch.tensor([r for r, _ in copies.loads], dtype=torch.long)
-                blocks = torch.tensor([b for _, b in copies.loads], dtype=torch.long, device=self.device)
+        stored = time.perf_counter()
+        if copies.loads:
+            rows = torch.tensor([r for r, _ in copies.loads], dtype=torch.long)
+            blocks = torch.tensor([b for _, b in copies.loads], dtype=torch.long, device=self.device)
+            for kv, columns in zip(self.layers, self.columns):
                 kv.index_copy_(0, blocks, self.store.rows[rows, columns].to(self.device))
         self.times.store_s += stored - started
         self.times.load_s += time.perf_counter() - stored
@@ -905,8 +911,7 @@ class _Worker:
             self.copier.start(copies)
             self._copying = True
         else:
-            for layer in range(len(self.layers)):
-                self._copy_layer(layer, copies)
+            self._copy_in_forward_pass(copies)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Blocks until layer `layer_name`'s copies of this step are done (every
@@ -914,7 +919,11 @@ class _Worker:
         if not self._copying:
             return
         started = time.perf_counter()
-        self.copier.wait(self.layer_index.get(layer_name, len(self.layers) - 1))
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            self.copier.wait_all()
+        else:
+            self.copier.wait(layer)
         self.times.waited_s += time.perf_counter() - started
 
     def finish_step(self) -> None:
