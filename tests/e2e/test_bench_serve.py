@@ -75,3 +75,17 @@ def test_no_server_left_running(quick_run):
     for server in results["servers"].values():
         port = server["url"].rsplit(":", 1)[1]
         assert not [line for line in ps.splitlines() if "serve" in line and f"--port {port}" in line]
+
+
+def test_a_warm_workload_starts_its_timed_run_with_the_prefixes_cached(quick_run):
+    """prefix_repetition-256-warm sends its requests once, untimed, before the timed run; the same requests
+    from an empty cache (prefix_repetition-256) compute the prefixes inside theirs."""
+    out, _ = quick_run
+    results = json.loads((out / "results.json").read_text())
+    runs = {(r["server"], r["workload"]): r for r in results["runs"]}
+    for server in ("stock", "chunk"):
+        cold, warm = runs[(server, "prefix_repetition-256")], runs[(server, "prefix_repetition-256-warm")]
+        assert warm["prefix_cache_hit_rate"] > cold["prefix_cache_hit_rate"], (server, cold, warm)
+        warm_ups = [k for k in results["timings_s"] if k.startswith(f"{server}/") and k.endswith("/warm-up")]
+        assert warm_ups == [f"{server}/prefix_repetition-256-warm-c32-rep1/warm-up"]
+        assert (out / "logs" / f"{server}-prefix_repetition-256-warm-c32-rep1.warm-up.log").is_file()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -203,6 +204,58 @@ def test_the_burst_is_one_run_of_32_requests_behind_one_cached_prefix():
     others = [r for r in runs if r.workload.name == "prefix_repetition-2048"]
     assert [r.mode for r in others] == ["concurrency", "rate", "rate"]
     assert others[0].num_prompts == args.num_prompts
+
+
+
+def test_warm_workloads_send_the_timed_runs_prompts_with_one_output_token_first():
+    from vllm_chunkattn.bench import serve
+
+    full = workloads(False)
+    for name, target in (("prefix_repetition-2048", 1.15), ("prefix_repetition-8192", 2.0)):
+        cold, warm = full[name], full[f"{name}-warm"]
+        assert not cold.warm and warm.warm
+        assert (warm.min_throughput_ratio, warm.max_ttft_ratio) == (target, 1.0) == (cold.min_throughput_ratio, 1.0)
+        assert warm.dataset_args == cold.dataset_args
+    assert sum(w.warm for w in full.values()) == 2
+    args = serve.parse_args(["--workloads", "prefix_repetition-8192-warm", "--request-rates", ""])
+    (run,) = serve.plan_runs(args, {"prefix_repetition-8192-warm": full["prefix_repetition-8192-warm"]})
+    timed = serve.bench_command(args, "m", "http://x", run, "chunk", Path("d"), Path("raw"), "r")
+    warm_up = serve.warm_up_command(args, "m", "http://x", run, "chunk", Path("d"))
+
+    def option(cmd, flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert option(timed, "--prefix-repetition-output-len") == "128" and option(warm_up, "--prefix-repetition-output-len") == "1"
+    for flag in ("--seed", "--num-prompts", "--max-concurrency", "--prefix-repetition-prefix-len",
+                 "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes", "--base-url"):
+        assert option(timed, flag) == option(warm_up, flag)
+    assert "--save-result" in timed and "--save-result" not in warm_up
+    # The tree dataset reads its file; the warm-up overrides the file's output lengths.
+    tree = full["tree"]
+    assert tree.warm_up_args(Path("d")) == ["--dataset-name", "custom", "--skip-chat-template", "--custom-output-len",
+                                            "1", "--dataset-path", str(tree.dataset_path(Path("d")))]
+
+
+def test_one_output_token_leaves_vllms_dataset_prompts_unchanged():
+    """What the warm-up relies on: vLLM's datasets draw the same prompts whatever the output length."""
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    model = ensure_model("tiny")
+    tokenizer = get_tokenizer(model)
+    w = workloads(True)["prefix_repetition-256"]
+
+    def samples(dataset_args):
+        parser = FlexibleArgumentParser()
+        add_cli_args(parser)
+        args = parser.parse_args(["--model", model, "--seed", "0", "--num-prompts", "8", *dataset_args])
+        return [(r.prompt, r.expected_output_len) for r in get_samples(args, tokenizer)]
+
+    timed, warm_up = samples(list(w.dataset_args)), samples(w.warm_up_args(Path("unused")))
+    assert [p for p, _ in timed] == [p for p, _ in warm_up] and len({p for p, _ in timed}) == 8
+    assert {n for _, n in timed} == {w.output_tokens} and {n for _, n in warm_up} == {1}
 
 
 # ---------------------------------------------------------------- offline batch (bench/offline.py)

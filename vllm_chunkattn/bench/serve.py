@@ -164,18 +164,48 @@ class Progress:
 
 def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, server: str,
                   dataset_dir: Path, raw_dir: Path, run_name: str) -> list[str]:
+    return [
+        *_client_command(args, model, url, run, server, run.workload.bench_args(dataset_dir)),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run_name}.json",
+    ]
+
+
+def warm_up_command(args: argparse.Namespace, model: str, url: str, run: Run, server: str,
+                    dataset_dir: Path) -> list[str]:
+    """The run's requests with one output token each, nothing saved: fills the prefix cache (Workload.warm)."""
+    return _client_command(args, model, url, run, f"{server}-warm-up", run.workload.warm_up_args(dataset_dir))
+
+
+def _client_command(args: argparse.Namespace, model: str, url: str, run: Run, label: str,
+                    dataset_args: list[str]) -> list[str]:
     vllm = str(Path(sys.executable).with_name("vllm"))
     return [
         vllm, "bench", "serve",
-        "--base-url", url, "--model", model, "--label", server,
+        "--base-url", url, "--model", model, "--label", label,
         "--seed", str(args.seed), "--num-prompts", str(run.num_prompts),
-        *run.workload.bench_args(dataset_dir), *run.traffic_args(),
+        *dataset_args, *run.traffic_args(),
         # Greedy, full length: the same work for both servers, and comparable texts.
-        "--temperature", "0", "--ignore-eos",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run_name}.json",
-        "--disable-tqdm",
+        "--temperature", "0", "--ignore-eos", "--disable-tqdm",
     ]
+
+
+def warm_prefix_cache(args, model: str, server: VllmServer, server_name: str, run: Run, repeat: int, out: Path) -> float:
+    """Sends the run's requests with one output token each and waits for them; returns the seconds taken."""
+    cmd = warm_up_command(args, model, server.url, run, server_name, out / "datasets")
+    log_path = out / "logs" / f"{server_name}-{run.name}-rep{repeat}.warm-up.log"
+    log_path.write_text("$ " + shlex.join(cmd) + "\n")
+    started = time.monotonic()
+    with open(log_path, "a") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"warming the prefix cache took over {args.run_timeout:g} s (--run-timeout); "
+                               f"see {log_path}") from None
+    if proc.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"warming the prefix cache failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+    return time.monotonic() - started
 
 
 def reset_prefix_cache(url: str) -> bool:
@@ -414,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                     progress(f"[{done}/{total}] {server_name} {run.name} (repeat {repeat}/{args.repeats}): "
                              f"{run.num_prompts} requests, "
                              + (f"max concurrency {run.x:g}" if run.mode == "concurrency" else f"Poisson {run.x:g} req/s"))
+                    if run.workload.warm:
+                        progress("    warming the prefix cache: the same requests, one output token each, untimed")
+                        seconds = warm_prefix_cache(args, model, server, server_name, run, repeat, out)
+                        results["timings_s"][f"{server_name}/{run.name}-rep{repeat}/warm-up"] = seconds
+                        progress(f"    prefix cache warm after {seconds:.0f} s")
                     record = run_bench(args, model, server, server_name, run, repeat, out, progress)
                     results["runs"].append(record)
                     results["timings_s"][f"{server_name}/{run.name}-rep{repeat}"] = record["wall_s"]

@@ -24,6 +24,11 @@ class Workload:
     num_prompts_multiple: int = 1  # prefix_repetition makes num_prompts // num_prefixes per prefix
     num_prompts: int | None = None  # a fixed number of requests (a burst); None: the run's --num-prompts
     tree: TreeShape | None = field(default=None)  # set: the dataset file is made by `prepare`
+    # Before each timed run, the same requests with one output token each (`warm_up_args`): the prefixes
+    # are in the prefix cache when timing starts, as on a server whose system prompts are hot. Without
+    # it a run starts from an empty prefix cache and computes every distinct prefix once, in both servers
+    # (but the first: `vllm bench serve` sends the first request alone before timing).
+    warm: bool = False
     # The project's targets, checked in the report; None: no target.
     min_throughput_ratio: float | None = None  # chunk/stock output tokens/s at max concurrency
     max_p90_latency_ratio: float | None = None  # chunk/stock p90 normalised latency there
@@ -34,6 +39,11 @@ class Workload:
         if self.tree is not None:
             args += ["--dataset-path", str(self.dataset_path(dataset_dir))]
         return args
+
+    def warm_up_args(self, dataset_dir: Path) -> list[str]:
+        """bench_args with one output token per request: the output length draws nothing from the
+        datasets' random generators, so these are the timed run's prompts."""
+        return list(_with_output_len(self, 1)) + self.bench_args(dataset_dir)[len(self.dataset_args):]
 
     def dataset_path(self, dataset_dir: Path) -> Path:
         return Path(dataset_dir) / f"{self.name}.jsonl"
@@ -88,9 +98,9 @@ def random_no_prefix(name: str, input_len: int, output: int) -> Workload:
 
 
 def _with_output_len(w: Workload, n: int) -> tuple[str, ...]:
-    """w's dataset options with n output tokens (the tree dataset carries its own, in the file)."""
+    """w's dataset options with n output tokens (for the tree dataset, instead of the file's own)."""
     args = list(w.dataset_args)
-    for flag in ("--prefix-repetition-output-len", "--random-output-len"):
+    for flag in ("--prefix-repetition-output-len", "--random-output-len", "--custom-output-len"):
         if flag in args:
             args[args.index(flag) + 1] = str(n)
     return tuple(args)
@@ -99,9 +109,14 @@ def _with_output_len(w: Workload, n: int) -> tuple[str, ...]:
 def workloads(quick: bool) -> dict[str, Workload]:
     """The full set (bench model) or the CI set (tiny model, short prompts;
     CI checks correctness only, so it sets no speed targets)."""
+    def warm(w: Workload) -> Workload:
+        return replace(w, name=f"{w.name}-warm", warm=True, description=f"{w.description}, cached before timing")
+
     if quick:
+        repetition_256 = prefix_repetition("prefix_repetition-256", 256, 16, 2, 32)
         chosen = [
-            prefix_repetition("prefix_repetition-256", 256, 16, 2, 32),
+            repetition_256,
+            warm(repetition_256),
             tree("tree", TreeShape(system_tokens=128, num_groups=2, document_tokens=128,
                                    question_tokens=16, output_tokens=32)),
             random_no_prefix("random-256", 256, 32),
@@ -117,10 +132,16 @@ def workloads(quick: bool) -> dict[str, Workload]:
                 for n in (64, 256)
             ]
 
+        def cold_and_warm(w: Workload, min_ratio: float) -> list[Workload]:
+            """The workload from an empty prefix cache, and with its prefixes cached before timing."""
+            w = replace(w, min_throughput_ratio=min_ratio, max_ttft_ratio=1.0)
+            return [w, warm(w)]
+
+        repetition_2048 = prefix_repetition("prefix_repetition-2048", 2048, 32, 4, 128)
         chosen = [
-            *shared(prefix_repetition("prefix_repetition-2048", 2048, 32, 4, 128), 1.15),
-            replace(prefix_repetition("prefix_repetition-8192", 8192, 32, 4, 128), min_throughput_ratio=2.0,
-                    max_ttft_ratio=1.0),
+            *shared(repetition_2048, 1.15),
+            *cold_and_warm(repetition_2048, 1.15)[1:],
+            *cold_and_warm(prefix_repetition("prefix_repetition-8192", 8192, 32, 4, 128), 2.0),
             *shared(tree("tree", TreeShape(system_tokens=1024, num_groups=4, document_tokens=1024,
                                            question_tokens=32, output_tokens=128)), 1.15),
             replace(random_no_prefix("random-1024", 1024, 128), min_throughput_ratio=1.0, max_ttft_ratio=1.0),
