@@ -230,6 +230,13 @@ def test_warm_workloads_send_the_timed_runs_prompts_with_one_output_token_first(
                  "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes", "--base-url"):
         assert option(timed, flag) == option(warm_up, flag)
     assert "--save-result" in timed and "--save-result" not in warm_up
+    # A Poisson run's warm-up sends the same requests, all at once.
+    args = serve.parse_args(["--request-rates", "0.5"])
+    chosen = {"prefix_repetition-8192-warm": full["prefix_repetition-8192-warm"]}
+    rate_run = [r for r in serve.plan_runs(args, chosen) if r.mode == "rate"][0]
+    rate_warm_up = serve.warm_up_command(args, "m", "http://x", rate_run, "chunk", Path("d"))
+    assert option(rate_warm_up, "--max-concurrency") == "32" and "--request-rate" not in rate_warm_up
+    assert option(rate_warm_up, "--num-prompts") == str(rate_run.num_prompts) != option(warm_up, "--num-prompts")
     # The tree dataset reads its file; the warm-up overrides the file's output lengths.
     tree = full["tree"]
     assert tree.warm_up_args(Path("d")) == ["--dataset-name", "custom", "--skip-chat-template", "--custom-output-len",

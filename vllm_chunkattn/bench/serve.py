@@ -165,7 +165,7 @@ class Progress:
 def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, server: str,
                   dataset_dir: Path, raw_dir: Path, run_name: str) -> list[str]:
     return [
-        *_client_command(args, model, url, run, server, run.workload.bench_args(dataset_dir)),
+        *_client_command(args, model, url, run, server, run.workload.bench_args(dataset_dir), run.traffic_args()),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run_name}.json",
     ]
@@ -173,18 +173,20 @@ def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, serv
 
 def warm_up_command(args: argparse.Namespace, model: str, url: str, run: Run, server: str,
                     dataset_dir: Path) -> list[str]:
-    """The run's requests with one output token each, nothing saved: fills the prefix cache (Workload.warm)."""
-    return _client_command(args, model, url, run, f"{server}-warm-up", run.workload.warm_up_args(dataset_dir))
+    """The run's requests with one output token each, nothing saved: fills the prefix cache (Workload.warm).
+    At the run's max concurrency whatever the run's traffic: a Poisson run's warm-up need not take its time."""
+    return _client_command(args, model, url, run, f"{server}-warm-up", run.workload.warm_up_args(dataset_dir),
+                           ["--max-concurrency", str(args.max_concurrency)])
 
 
 def _client_command(args: argparse.Namespace, model: str, url: str, run: Run, label: str,
-                    dataset_args: list[str]) -> list[str]:
+                    dataset_args: list[str], traffic_args: list[str]) -> list[str]:
     vllm = str(Path(sys.executable).with_name("vllm"))
     return [
         vllm, "bench", "serve",
         "--base-url", url, "--model", model, "--label", label,
         "--seed", str(args.seed), "--num-prompts", str(run.num_prompts),
-        *dataset_args, *run.traffic_args(),
+        *dataset_args, *traffic_args,
         # Greedy, full length: the same work for both servers, and comparable texts.
         "--temperature", "0", "--ignore-eos", "--disable-tqdm",
     ]
