@@ -206,7 +206,6 @@ def test_the_burst_is_one_run_of_32_requests_behind_one_cached_prefix():
     assert others[0].num_prompts == args.num_prompts
 
 
-
 def test_warm_workloads_send_the_timed_runs_prompts_with_one_output_token_first():
     from vllm_chunkattn.bench import serve
 

@@ -205,9 +205,14 @@ def warm_prefix_cache(args, model: str, server: VllmServer, server_name: str, ru
             raise RuntimeError(f"warming the prefix cache took over {args.run_timeout:g} s (--run-timeout); "
                                f"see {log_path}") from None
     if proc.returncode != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"warming the prefix cache failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+        raise client_failed("warming the prefix cache", proc.returncode, log_path)
     return time.monotonic() - started
+
+
+def client_failed(what: str, returncode: int, log_path: Path) -> RuntimeError:
+    """The error of a `vllm bench serve` that exited non-zero, with the last lines of its log."""
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+    return RuntimeError(f"{what} failed (exit {returncode}); last lines of {log_path}:\n{tail}")
 
 
 def reset_prefix_cache(url: str) -> bool:
@@ -286,8 +291,7 @@ def run_bench(args, model: str, server: VllmServer, server_name: str, run: Run, 
             stop_process_group(proc)
     wall_s = time.monotonic() - started
     if proc.returncode != 0 and not timed_out:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+        raise client_failed("vllm bench serve", proc.returncode, log_path)
     metrics = poller.summary()
     (out / "metrics").mkdir(exist_ok=True)
     (out / "metrics" / f"{server_name}-{run_name}.json").write_text(json.dumps(asdict(metrics)) + "\n")

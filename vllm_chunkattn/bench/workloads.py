@@ -132,16 +132,14 @@ def workloads(quick: bool) -> dict[str, Workload]:
                 for n in (64, 256)
             ]
 
-        def cold_and_warm(w: Workload, min_ratio: float) -> list[Workload]:
-            """The workload from an empty prefix cache, and with its prefixes cached before timing."""
-            w = replace(w, min_throughput_ratio=min_ratio, max_ttft_ratio=1.0)
-            return [w, warm(w)]
-
-        repetition_2048 = prefix_repetition("prefix_repetition-2048", 2048, 32, 4, 128)
+        repetition_2048 = shared(prefix_repetition("prefix_repetition-2048", 2048, 32, 4, 128), 1.15)
+        repetition_8192 = replace(prefix_repetition("prefix_repetition-8192", 8192, 32, 4, 128),
+                                  min_throughput_ratio=2.0, max_ttft_ratio=1.0)
         chosen = [
-            *shared(repetition_2048, 1.15),
-            *cold_and_warm(repetition_2048, 1.15)[1:],
-            *cold_and_warm(prefix_repetition("prefix_repetition-8192", 8192, 32, 4, 128), 2.0),
+            *repetition_2048,
+            warm(repetition_2048[0]),
+            repetition_8192,
+            warm(repetition_8192),
             *shared(tree("tree", TreeShape(system_tokens=1024, num_groups=4, document_tokens=1024,
                                            question_tokens=32, output_tokens=128)), 1.15),
             replace(random_no_prefix("random-1024", 1024, 128), min_throughput_ratio=1.0, max_ttft_ratio=1.0),
