@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh                  # tests + benchmark (all grids)
 #   GRIDS="table3" bash scripts/gpu_check.sh   # fewer grids
 #   SKIP_TESTS=1 / SKIP_BENCH=1                # one half only
+#   SKIP_BUILD=1                               # reuse the extensions built in place
+#   SANITIZE=1                                 # + compute-sanitizer memcheck / racecheck over a subset
 #
 # Wheels in .whl/ (FlashInfer for the benchmark's cascade column, say) are
 # installed into /tmp/site first. docs/cuda.md has the results of a run.
@@ -30,12 +32,15 @@ fi
 } 2>&1 | tee "$OUT/machine.txt"
 
 # Only the GPU's own architecture: a third of the build time of the default list.
-arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-start=$SECONDS
-TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1
-rc=$?
-echo "gpu_check: build for sm_${arch/./} rc=$rc in $((SECONDS - start)) s"
-[ $rc -eq 0 ] || { tail -60 "$OUT/build.log"; exit $rc; }
+# SKIP_BUILD=1 reuses the extensions already built in place (a second run on the same host).
+if [ -z "${SKIP_BUILD:-}" ]; then
+  arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  start=$SECONDS
+  TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1
+  rc=$?
+  echo "gpu_check: build for sm_${arch/./} rc=$rc in $((SECONDS - start)) s"
+  [ $rc -eq 0 ] || { tail -60 "$OUT/build.log"; exit $rc; }
+fi
 $PY -c "import vllm_chunkattn.kernels.ops as o; print('cuda kernels:', o.cuda_kernels_available(), o.CUDA_KERNELS_ERROR)"
 
 status=0
@@ -45,6 +50,18 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   rc=${PIPESTATUS[0]}
   echo "gpu_check: tests/gpu (not e2e) rc=$rc in $((SECONDS - start)) s"
   [ $rc -eq 0 ] || status=$rc
+fi
+
+if [ -n "${SANITIZE:-}" ]; then
+  # Each tensor its own allocation, so that memcheck sees every out-of-bounds access.
+  for check in "memcheck:variants or several_tokens or engine_steps or graph" "racecheck:several_tokens and dtype0 or engine_steps and dtype1"; do
+    tool=${check%%:*}
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      $PY -m pytest -q -p no:cacheprovider tests/gpu -m "not e2e" -k "${check#*:}" >>"$OUT/compute-sanitizer.log" 2>&1
+    rc=$?
+    echo "gpu_check: compute-sanitizer $tool rc=$rc ($(grep -E 'passed|failed' "$OUT/compute-sanitizer.log" | tail -1))"
+    [ $rc -eq 0 ] || status=$rc
+  done
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then

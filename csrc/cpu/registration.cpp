@@ -91,7 +91,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const pybind11::dict& values) {
         TORCH_CHECK(values.size() == std::size(chunkattn::cpu::kCpuTuningFields),
                     "chunkattn: set_cpu_tuning needs every parameter of cpu_tuning_limits() and no other, got ",
-                    pybind11::str(values).cast<std::string>());
+                    static_cast<std::string>(pybind11::repr(values)));
         chunkattn::cpu::CpuTuning t;
         for (const auto& f : chunkattn::cpu::kCpuTuningFields) {
           TORCH_CHECK(values.contains(f.name), "chunkattn: set_cpu_tuning is missing ", f.name);

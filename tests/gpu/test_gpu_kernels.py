@@ -33,6 +33,7 @@ from vllm_chunkattn.testing.paged_cases import (
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.prefix.tree import prefix_tree
+from vllm_chunkattn.testing.step_cases import check_planner_steps
 
 pytestmark = requires_gpu
 
@@ -142,6 +143,16 @@ def test_decode_rows_of_several_tokens(dtype, group):
         out = torch.empty_like(query, device="cuda")
         _decode(query.cuda(), kv.cuda(), rows.block_table.cuda(), rows.seq_lens.cuda(), ctx, 0.09, out)
         _check(out, reference.paged_attention(query, kv, qsl, seq_lens, table, 0.09), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_engine_steps_decode_rows_decode(dtype, group):
+    """The builder's steps (prefix/step.py) as the engine runs them on CUDA: a
+    decode step on the fixed (CUDA-graph) buffers, a step with rows of up to 8
+    tokens per request on a context sized to it, a decode step on the fixed
+    buffers again, each against the oracle."""
+    check_planner_steps("cuda", dtype, group, max_query_len=8, tol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype,head_size,block_size", list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES)))

@@ -14,6 +14,7 @@ from vllm_chunkattn.kernels import ops, torch_fallback
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape
 from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 from vllm_chunkattn.testing.paged_cases import multi_level, random_forest, shared_prefix
+from vllm_chunkattn.testing.step_cases import check_planner_steps
 
 NO_NODE = -1
 
@@ -245,3 +246,11 @@ def test_host_sequence_lengths_come_from_vllms_cpu_copy():
     cm = decode_metadata(table, seq_lens, 16)
     cm.seq_lens = seq_lens.to("meta")
     assert torch.equal(_host_seq_lens(cm, 3), seq_lens[:3])
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_planner_steps_decode_rows_decode(group):
+    """The builder's steps (prefix/step.py) on the CPU kernels: a decode step,
+    one with rows of up to 8 tokens, another decode step, each against the
+    oracle (tests/gpu runs the same on CUDA)."""
+    check_planner_steps("cpu", torch.float32, group, max_query_len=8, tol=1e-4)

@@ -3,6 +3,7 @@ capability methods, the impl's refusals and the README's table follow it."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from unittest import mock
@@ -41,3 +42,26 @@ def test_impl_refuses_a_head_size_outside_the_table():
                            sliding_window=None, kv_cache_dtype="auto")
     ChunkAttentionImpl(num_heads=8, head_size=support.CPU.head_sizes[0], scale=0.1, num_kv_heads=8,
                        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+
+
+def test_cuda_tree_reach_is_the_gpu_measurement():
+    """CUDA.tree_max_rows_per_kv_head is what the GPU benchmark's relay grid
+    measured (docs/results/nvidia-h200): the tree path at least as fast as our
+    per-request prefill at every point within it, slower at some point just
+    beyond it, in every recorded configuration."""
+    from vllm_chunkattn.bench.kernel_gpu import relay_crossover
+
+    reach = support.CUDA.tree_max_rows_per_kv_head
+    runs = sorted((Path(__file__).resolve().parents[2] / "docs/results/nvidia-h200").glob("relay*.json"))
+    assert len(runs) >= 4
+    measured_reach = []
+    for path in runs:
+        run = json.loads(path.read_text())
+        settings = run["meta"]["settings"]
+        group = settings["heads"] // settings["kv_heads"]
+        for row in run["rows"]:
+            times = row["times_us"]
+            if row["query_len"] * group <= reach and "chunk_prefill" in times:
+                assert times["chunk"] <= times["chunk_prefill"], (path.name, row["query_len"])
+        measured_reach.append(int(re.search(r"at most (\d+) query rows", relay_crossover(run["rows"], group))[1]))
+    assert min(measured_reach) == reach

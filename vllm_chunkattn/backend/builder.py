@@ -6,15 +6,14 @@ is the platform's, kernels/support.py) and prefill requests (more:
 prefill, chunked prefill), makes one row per query token of the tree requests
 (prefix/query_rows.py), derives the prefix tree of those rows from their
 block tables (prefix/tree.py, cached across steps) and builds the step's
-plan (prefix/plan.py) once, for every layer to run. On CUDA the tree
-context and the plan live in fixed-capacity device buffers
-(prefix/device_buffers.py, DecodeWork), so pure-decode batches run under
-vLLM's full CUDA graphs.
+plan (prefix/plan.py) once, for every layer to run (prefix/step.py). On
+CUDA the tree context and the plan of a pure-decode batch live in
+fixed-capacity device buffers (prefix/device_buffers.py, DecodeWork), so
+those batches run under vLLM's full CUDA graphs.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +33,8 @@ from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.kernels.support import CUDA, for_platform, names
 from vllm_chunkattn.metrics import TreeMetricsWriter, metrics_writer
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
-from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
-from vllm_chunkattn.prefix.query_rows import TreeRows, expand_query_rows
-from vllm_chunkattn.prefix.tree import PrefixTreeCache
+from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape
+from vllm_chunkattn.prefix.step import StepPlanner
 
 # Capacity of the device tree context per decode request slot: partial-result
 # rows (sum over shared nodes of the requests each covers). A deeper tree is
@@ -49,7 +47,7 @@ class ChunkAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
     # Tree requests come first in the batch (reorder_batch_threshold); their
-    # query tokens are the plan's rows, one each (on CUDA one per request).
+    # query tokens are the plan's rows, one each.
     num_decodes: int
     num_decode_tokens: int
     decode_plan: DecodePlan | None  # for every layer of the KV-cache group; None without tree requests
@@ -75,9 +73,11 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         here, refreshed in place by build(), whose TPP plan kernel runs on the
         stream before the replay), and the Python forward takes no
         data-dependent branch within a pure-decode batch. Batches with
-        prefills are not captured: the forward's decode/prefill split is fixed
-        at capture. NEVER otherwise: the PyTorch fallback reads the tree on
-        the host."""
+        prefills or rows of several tokens are not captured: the forward's
+        decode/prefill split is fixed at capture, and the context of rows of
+        several tokens is sized to the step (prefix/step.py); with
+        speculative decoding vLLM therefore captures attention piecewise.
+        NEVER otherwise: the PyTorch fallback reads the tree on the host."""
         dtype = getattr(kv_cache_spec, "dtype", None)
         if current_platform.is_cuda() and ops.cuda_kernels_available() and dtype in CUDA.dtypes:
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -112,25 +112,23 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             )
         # On CUDA with the compiled kernels, the decode context goes to fixed-
         # capacity device buffers (CUDA-graph safe); else it stays on the host.
-        self.device_tree: DeviceTreeBuffers | None = None
-        self.device_work: DecodeWork | None = None
+        device_tree = None
         if on_cuda and ops.cuda_kernels_available() and kv_cache_spec.dtype in CUDA.dtypes:
             max_batch = max(
                 vllm_config.scheduler_config.max_num_seqs,
                 vllm_config.compilation_config.max_cudagraph_capture_size or 0,
             )
-            self.device_tree = DeviceTreeBuffers(
+            device_tree = DeviceTreeBuffers(
                 max_batch=max_batch,
                 max_nodes=max_batch - 1,
                 max_partial_rows=CUDA_PARTIAL_ROWS_PER_REQUEST * max_batch,
                 device=device,
             )
-            self.device_work = DecodeWork.empty(device)
             logger.info_once(
                 "%s attention on the CUDA kernels (vllm_chunkattn._C_cuda); CUDA graphs: "
                 "UNIFORM_SINGLE_TOKEN_DECODE (pure-decode batches); tree context capacity: "
                 "%d requests, %d nodes, %d partial rows.",
-                BACKEND_NAME, max_batch, self.device_tree.max_nodes, self.device_tree.max_partial_rows,
+                BACKEND_NAME, max_batch, device_tree.max_nodes, device_tree.max_partial_rows,
             )
         if not vllm_config.cache_config.enable_prefix_caching:
             # A cause of lost sharing, reported once (the others: README, Metrics).
@@ -154,7 +152,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         # threshold to them) where the kernels take rows of several tokens.
         self._init_reorder_batch_threshold(tree_max_query_len,
                                            supports_spec_as_decode=support.tree_max_rows_per_kv_head > 1)
-        self.tree_cache = PrefixTreeCache()
+        self.planner = StepPlanner(self.decode_shape, device_tree)
         # A windowed group (vLLM's SlidingWindowSpec) reads each row's last
         # `sliding_window` keys only, and counts its reads so.
         self.stats = DecodeStats(self.block_size, sliding_window=getattr(kv_cache_spec, "sliding_window", None) or 0,
@@ -177,17 +175,17 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         on_device = cm.seq_lens.device.type != "cpu"
         decode_plan = None
         if num_decodes:
-            multi_token_rows = 0
-            if num_decode_tokens > num_decodes:  # some tree request has several new tokens (CPU only)
+            query_lens, decode_host_lens = None, host_seq_lens[:num_decodes]
+            if num_decode_tokens > num_decodes:  # some tree request has several new tokens
                 qsl = cm.query_start_loc_cpu[: num_decodes + 1]
                 query_lens = qsl[1:] - qsl[:-1]
-                rows = expand_query_rows(block_table[:num_decodes], host_seq_lens[:num_decodes], query_lens)
-                host_rows = rows
-                multi_token_rows = int(query_lens[query_lens > 1].sum())
-            else:  # one row per request (on CUDA also in a graph batch padded with empty requests)
-                rows = TreeRows(block_table[:num_decodes], cm.seq_lens[:num_decodes], cm.seq_lens[:num_decodes])
-                host_rows = TreeRows(rows.block_table, host_seq_lens[:num_decodes], host_seq_lens[:num_decodes])
-            decode_plan = self._plan_rows(rows, host_rows, num_decodes, multi_token_rows)
+                decode_host_lens = _exact_host_seq_lens(cm, num_decodes)
+            # On CUDA a graph batch is padded with requests of no tokens, one row each.
+            step = self.planner.plan(block_table[:num_decodes], cm.seq_lens[:num_decodes], decode_host_lens, query_lens)
+            self.stats.record(step.tree, step.host_seq_lens, num_decodes, step.multi_token_rows,
+                              self.planner.tree_cache.builds, self.planner.tree_cache.lookups,
+                              plan_seconds=step.plan_seconds)
+            decode_plan = step.plan
         if on_device:
             # vLLM's own persistent device tensors, so that a captured decode
             # graph reads this step's values on replay.
@@ -205,33 +203,6 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             prefill_seq_lens=seq_lens[num_decodes:],
             prefill_block_table=block_table[num_decodes:],
         )
-
-    def _plan_rows(self, rows: TreeRows, host_rows: TreeRows, num_requests: int, multi_token_rows: int) -> DecodePlan:
-        """The rows' tree (from the host copies of their lengths) and the step's plan."""
-        block_table, seq_lens = rows.block_table, rows.seq_lens
-        host_seq_lens = host_rows.seq_lens
-        if block_table.device.type == "cpu":
-            host_table = block_table
-        else:
-            # The tree needs the block ids on the host, and vLLM keeps its host
-            # copy of the block table (the runner's BlockTable) out of the
-            # builder's reach: CommonAttentionMetadata carries only the device
-            # tensor. So this is the step's one device-to-host copy, cut to the
-            # columns of full chunks, the only ones the tree reads.
-            full_chunks = int(host_rows.unmasked_lens.max()) // self.block_size
-            host_table = block_table[:, :full_chunks].cpu()
-        start = time.perf_counter()
-        tree = self.tree_cache.get(host_table, host_rows.unmasked_lens, self.block_size)
-        if self.device_tree is not None:
-            # CUDA kernels: the tree in the fixed buffers (copied only when it
-            # changed), the plan into the fixed DecodeWork by the plan kernel.
-            context = self.device_tree.load(tree, len(host_seq_lens))
-            plan = ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, context, self.device_work)
-        else:
-            plan = ops.plan_tpp_decode(self.decode_shape, block_table, seq_lens, tree)
-        self.stats.record(tree, host_seq_lens, num_requests, multi_token_rows, self.tree_cache.builds,
-                          self.tree_cache.lookups, plan_seconds=time.perf_counter() - start)
-        return plan
 
 
 def _metrics_writer(vllm_config: VllmConfig) -> TreeMetricsWriter | None:
@@ -252,10 +223,21 @@ def _host_seq_lens(cm: CommonAttentionMetadata, num_reqs: int) -> torch.Tensor:
     """The requests' sequence lengths on the host, without a device-to-host copy
     where vLLM provides them: its GPU runner passes seq_lens_cpu_upper_bound,
     exact for every row except under asynchronous speculative decoding, whose
-    rows of several tokens the CUDA path does not put in the tree (there its
-    tree rows have one token; on CPU seq_lens are host tensors anyway)."""
+    rows of several tokens get _exact_host_seq_lens instead (on CPU seq_lens
+    are host tensors anyway)."""
     if cm.seq_lens.device.type == "cpu":
         return cm.seq_lens[:num_reqs]
     if cm.seq_lens_cpu_upper_bound is not None:
         return cm.seq_lens_cpu_upper_bound[:num_reqs]
     return cm.seq_lens[:num_reqs].cpu()  # a caller that gives no host copy
+
+
+def _exact_host_seq_lens(cm: CommonAttentionMetadata, num_reqs: int) -> torch.Tensor:
+    """The sequence lengths of requests with several new tokens, exactly: their
+    rows attend up to them. vLLM's host copy is an upper bound under
+    asynchronous speculative decoding (rejected draft tokens), so on a device
+    this is a copy of the device tensor; the step copies its block table to
+    the host anyway."""
+    if cm.seq_lens.device.type == "cpu":
+        return cm.seq_lens[:num_reqs]
+    return cm.seq_lens[:num_reqs].cpu()

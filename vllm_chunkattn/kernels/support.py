@@ -29,7 +29,8 @@ class PlatformSupport:
     # results (`python -m vllm_chunkattn.bench.kernel --grid relay`). The
     # crossover is the CPU's: the engine measures it at start per layer shape
     # (kernels/cpu_tuning.py) and uses this value only with
-    # CHUNKATTN_CPU_TUNING=default. 1: one-token rows only.
+    # CHUNKATTN_CPU_TUNING=default. On CUDA it is the GPU benchmark's
+    # (`python -m vllm_chunkattn.bench.kernel_gpu --grids relay`, docs/cuda.md).
     tree_max_rows_per_kv_head: int
     # vLLM's sliding-window attention (Mistral, Gemma 2/3, gpt-oss, Phi-3 layers).
     sliding_window: bool
@@ -68,7 +69,10 @@ CUDA = PlatformSupport(
     head_sizes=(64, 128, 256),
     block_sizes=(16, 32, 64, 128),
     dtypes=(torch.float16, torch.bfloat16),
-    tree_max_rows_per_kv_head=1,  # one-token rows only: multi-token rows on CUDA are not done yet
+    # H200, relay grid (16 and 32 heads, GQA 1 and 4, fp16 and bf16): the tree
+    # path won every point up to 8 rows per KV head and lost MHA at 16
+    # (docs/results/nvidia-h200/relay_*.md).
+    tree_max_rows_per_kv_head=8,
     sliding_window=True,
     logits_soft_cap=True,
     attention_sinks=True,
