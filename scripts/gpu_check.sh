@@ -53,8 +53,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -n "${SANITIZE:-}" ]; then
-  # Each tensor its own allocation, so that memcheck sees every out-of-bounds access.
-  for check in "memcheck:variants or several_tokens or engine_steps or graph" "racecheck:several_tokens and dtype0 or engine_steps and dtype1"; do
+  # Each tensor its own allocation, so that memcheck sees every out-of-bounds access (and
+  # so no CUDA-graph capture: without the caching allocator it cannot allocate while capturing).
+  for check in "memcheck:variants or several_tokens or engine_steps or in_graph_buffers" "racecheck:several_tokens and dtype0 or engine_steps and dtype1"; do
     tool=${check%%:*}
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 3 \
       $PY -m pytest -q -p no:cacheprovider tests/gpu -m "not e2e" -k "${check#*:}" >>"$OUT/compute-sanitizer.log" 2>&1

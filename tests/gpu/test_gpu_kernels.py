@@ -33,6 +33,7 @@ from vllm_chunkattn.testing.paged_cases import (
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.prefix.tree import prefix_tree
+from vllm_chunkattn.kernels.support import CUDA
 from vllm_chunkattn.testing.step_cases import check_planner_steps
 
 pytestmark = requires_gpu
@@ -150,9 +151,11 @@ def test_decode_rows_of_several_tokens(dtype, group):
 def test_engine_steps_decode_rows_decode(dtype, group):
     """The builder's steps (prefix/step.py) as the engine runs them on CUDA: a
     decode step on the fixed (CUDA-graph) buffers, a step with rows of up to 8
-    tokens per request on a context sized to it, a decode step on the fixed
-    buffers again, each against the oracle."""
-    check_planner_steps("cuda", dtype, group, max_query_len=8, tol=TOL[dtype])
+    tokens per request on a context sized to it (requests' own nodes by
+    CUDA's rule), a decode step on the fixed buffers again, each against the
+    oracle."""
+    check_planner_steps("cuda", dtype, group, max_query_len=8, tol=TOL[dtype],
+                        own_node_min_query_len=CUDA.own_node_min_query_len)
 
 
 @pytest.mark.parametrize("dtype,head_size,block_size", list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES)))

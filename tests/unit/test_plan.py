@@ -14,6 +14,7 @@ from vllm_chunkattn.kernels import ops, torch_fallback
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape
 from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 from vllm_chunkattn.testing.paged_cases import multi_level, random_forest, shared_prefix
+from vllm_chunkattn.kernels.support import CPU, CUDA
 from vllm_chunkattn.testing.step_cases import check_planner_steps
 
 NO_NODE = -1
@@ -248,9 +249,12 @@ def test_host_sequence_lengths_come_from_vllms_cpu_copy():
     assert torch.equal(_host_seq_lens(cm, 3), seq_lens[:3])
 
 
+@pytest.mark.parametrize("own_node_min_query_len", [CPU.own_node_min_query_len, CUDA.own_node_min_query_len])
 @pytest.mark.parametrize("group", [1, 4])
-def test_planner_steps_decode_rows_decode(group):
+def test_planner_steps_decode_rows_decode(group, own_node_min_query_len):
     """The builder's steps (prefix/step.py) on the CPU kernels: a decode step,
     one with rows of up to 8 tokens, another decode step, each against the
-    oracle (tests/gpu runs the same on CUDA)."""
-    check_planner_steps("cpu", torch.float32, group, max_query_len=8, tol=1e-4)
+    oracle, with requests' own nodes stacked always (CPU's rule) or from 5
+    new tokens on (CUDA's); tests/gpu runs the same on CUDA."""
+    check_planner_steps("cpu", torch.float32, group, max_query_len=8, tol=1e-4,
+                        own_node_min_query_len=own_node_min_query_len)

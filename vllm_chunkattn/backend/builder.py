@@ -152,7 +152,7 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         # threshold to them) where the kernels take rows of several tokens.
         self._init_reorder_batch_threshold(tree_max_query_len,
                                            supports_spec_as_decode=support.tree_max_rows_per_kv_head > 1)
-        self.planner = StepPlanner(self.decode_shape, device_tree)
+        self.planner = StepPlanner(self.decode_shape, device_tree, support.own_node_min_query_len)
         # A windowed group (vLLM's SlidingWindowSpec) reads each row's last
         # `sliding_window` keys only, and counts its reads so.
         self.stats = DecodeStats(self.block_size, sliding_window=getattr(kv_cache_spec, "sliding_window", None) or 0,

@@ -32,6 +32,11 @@ class PlatformSupport:
     # CHUNKATTN_CPU_TUNING=default. On CUDA it is the GPU benchmark's
     # (`python -m vllm_chunkattn.bench.kernel_gpu --grids relay`, docs/cuda.md).
     tree_max_rows_per_kv_head: int
+    # Per node, within that path: a request's own rows form a node over its
+    # private chunks (prefix/query_rows.py). Such a node is stacked when the
+    # request has at least this many new tokens; with fewer, its chunks are
+    # attended row by row in the sequence-first phase. 2: always stacked.
+    own_node_min_query_len: int
     # vLLM's sliding-window attention (Mistral, Gemma 2/3, gpt-oss, Phi-3 layers).
     sliding_window: bool
     # Logits soft-capping (Gemma 2): cap * tanh(score / cap).
@@ -58,6 +63,9 @@ CPU = PlatformSupport(
     block_sizes=(32, 64, 128),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     tree_max_rows_per_kv_head=16,
+    # Zen 4, relay shape: unstacking was 0.65x to 0.81x (fp32) and 0.99x to
+    # 1.01x (bf16 GQA) of stacking at 2 to 8 new tokens (docs/cpu-kernel-notes.md).
+    own_node_min_query_len=2,
     sliding_window=True,
     logits_soft_cap=True,
     attention_sinks=True,
@@ -73,6 +81,9 @@ CUDA = PlatformSupport(
     # path won every point up to 8 rows per KV head and lost MHA at 16
     # (docs/results/nvidia-h200/relay_*.md).
     tree_max_rows_per_kv_head=8,
+    # H200, relay shape: unstacking was 1.12x to 1.56x faster at 2 and 4 new
+    # tokens, 0.74x (MHA) at 8 and 0.67x to 0.97x at 16 (docs/cuda.md).
+    own_node_min_query_len=5,
     sliding_window=True,
     logits_soft_cap=True,
     attention_sinks=True,

@@ -16,6 +16,10 @@ token at position c + t:
   to its own) is the row's private tail, attended in the sequence-first
   phase, which reads only up to seq_len: that is the causal mask.
 
+A request's own node (its rows stacked over its private chunks) pays only
+with enough rows; with few, `unstack_own_nodes` leaves those chunks to the
+sequence-first phase (the platform's `own_node_min_query_len`).
+
 A block another request of the same step is computing (vLLM registers a
 block in the prefix cache when it is scheduled) is context for a request
 that hit it and not for the one computing it: it lies wholly before the
@@ -32,7 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from vllm_chunkattn.prefix.tree import PrefixTreeContext, context_from_nodes
 
 
 @dataclass(frozen=True)
@@ -62,3 +69,22 @@ def expand_query_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, query_l
         seq_lens=(computed + token + 1).to(torch.int32),
         unmasked_lens=(computed + 1).to(torch.int32),
     )
+
+
+def unstack_own_nodes(ctx: PrefixTreeContext, query_lens: torch.Tensor, min_query_len: int) -> PrefixTreeContext:
+    """`ctx` without the nodes whose rows all belong to one request with fewer
+    than `min_query_len` new tokens: the chunks of such a node are then
+    attended row by row in the sequence-first phase (results unchanged). A
+    node covering several requests is kept, and with it its ancestors, which
+    cover at least those requests. `ctx` itself when nothing is dropped."""
+    request = np.repeat(np.arange(len(query_lens)), query_lens.numpy())[ctx.order.numpy()]  # per tree position
+    kept = []
+    for node in zip(ctx.node_begin.tolist(), ctx.node_end.tolist(), ctx.node_chunk_begin.tolist(),
+                    ctx.node_chunk_end.tolist()):
+        covered = request[node[0] : node[1]]
+        own = covered.min() == covered.max()
+        if not own or int(query_lens[covered[0]]) >= min_query_len:
+            kept.append(node)
+    if len(kept) == ctx.num_nodes:
+        return ctx
+    return context_from_nodes(ctx.order.numpy(), kept, int(ctx.order.numel()))

@@ -26,23 +26,27 @@ import torch
 from vllm_chunkattn.kernels import ops
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape, DecodeWork
-from vllm_chunkattn.prefix.query_rows import TreeRows, expand_query_rows
+from vllm_chunkattn.prefix.query_rows import TreeRows, expand_query_rows, unstack_own_nodes
 from vllm_chunkattn.prefix.tree import PrefixTreeCache, PrefixTreeContext
 
 
 @dataclass(frozen=True)
 class PlannedStep:
     plan: DecodePlan
-    tree: PrefixTreeContext  # on the host, before any cut to the device buffers' capacity
+    tree: PrefixTreeContext  # on the host, as planned (before any cut to the device buffers' capacity)
     host_seq_lens: torch.Tensor  # [rows] keys each row attends
     multi_token_rows: int  # rows of requests with several new tokens
     plan_seconds: float  # tree + plan, the block table's copy to the host excluded
 
 
 class StepPlanner:
-    def __init__(self, shape: DecodeShape, device_tree: DeviceTreeBuffers | None = None) -> None:
+    def __init__(self, shape: DecodeShape, device_tree: DeviceTreeBuffers | None = None,
+                 own_node_min_query_len: int = 2) -> None:
+        """own_node_min_query_len: the platform's (kernels/support.py): the
+        fewest new tokens for which a request's own rows stay stacked."""
         self.shape = shape
         self.device_tree = device_tree
+        self.own_node_min_query_len = own_node_min_query_len
         self.device_work = DecodeWork.empty(device_tree.device) if device_tree is not None else None
         self.tree_cache = PrefixTreeCache()
 
@@ -77,6 +81,8 @@ class StepPlanner:
             host_table = rows.block_table[:, :full_chunks].cpu()
         start = time.perf_counter()
         tree = self.tree_cache.get(host_table, host_rows.unmasked_lens, self.shape.block_size)
+        if query_lens is not None and self.own_node_min_query_len > 2:
+            tree = unstack_own_nodes(tree, query_lens, self.own_node_min_query_len)
         if self.device_tree is not None and not multi_token_rows:
             # The tree copied into the fixed buffers only when it changed; the
             # plan kernel writes the fixed DecodeWork.

@@ -17,12 +17,15 @@ from vllm_chunkattn.testing.paged_cases import multi_level, num_blocks_needed, r
 
 
 def check_planner_steps(device: str, dtype: torch.dtype, group: int, max_query_len: int, tol: float,
-                        batch: int = 12, block_size: int = 16, head_size: int = 128, num_kv_heads: int = 2) -> None:
+                        own_node_min_query_len: int = 2, batch: int = 12, block_size: int = 16,
+                        head_size: int = 128, num_kv_heads: int = 2) -> None:
     """Three steps over a two-level tree (a 64-token root, 3 branches of 48,
     40 private tokens each): one row per request (the graph-safe buffers),
     requests of 0 to `max_query_len` new tokens (a context sized to the step;
     the rows of all requests under a node stacked in it), and one row per
-    request again, on the same fixed buffers as the first."""
+    request again, on the same fixed buffers as the first. A request's own
+    node is kept exactly when it has at least `own_node_min_query_len` new
+    tokens."""
     rng = np.random.default_rng(7)
     gen = torch.Generator().manual_seed(7)
     table, seq_lens = multi_level(batch, levels=[(1, 64), (3, 48)], private=40, block_size=block_size)
@@ -33,7 +36,7 @@ def check_planner_steps(device: str, dtype: torch.dtype, group: int, max_query_l
     # As the builder: device buffers for the CUDA kernels, the host context for the CPU ones.
     on_cuda = torch.device(device).type == "cuda"
     buffers = DeviceTreeBuffers(batch, batch - 1, 4 * batch, device) if on_cuda else None
-    planner = StepPlanner(shape, buffers)
+    planner = StepPlanner(shape, buffers, own_node_min_query_len)
     dev_table, dev_kv = table.to(device), kv.to(device)
     scale = head_size**-0.5
 
@@ -63,6 +66,11 @@ def check_planner_steps(device: str, dtype: torch.dtype, group: int, max_query_l
     # Sharing happened: the root is attended by the stacked rows of every request.
     root = int((rows.tree.node_chunk_begin == 0).nonzero()[0])
     assert int(rows.tree.node_end[root] - rows.tree.node_begin[root]) == rows.plan.batch
+    # Own nodes (every private context here is 2 full chunks + the new tokens' chunk) where the rule keeps them.
+    request = torch.repeat_interleave(torch.arange(batch), query_lens.long())[rows.tree.order.long()]
+    own = {int(request[b]) for b, e in zip(rows.tree.node_begin.tolist(), rows.tree.node_end.tolist())
+           if int(request[b]) == int(request[e - 1]) and e - b == int(query_lens[request[b]])}
+    assert own == {r for r in range(batch) if int(query_lens[r]) >= max(own_node_min_query_len, 2)}
     last = run(None)
     if on_cuda:
         assert last.plan.work is planner.device_work
