@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.e2e
 
 CONFIG = "float32-gqa-d64-block32-preempt"  # block size 32; GQA group 2: tree rows up to 8 new tokens
 DASHBOARD = Path(__file__).parents[2] / "examples" / "prometheus_grafana" / "grafana.json"
-PREFIX_CHUNKS, SUFFIX_TOKENS, MAX_TOKENS, NUM_REQUESTS = 4, 40, 8, 4
+PREFIX_CHUNKS, SUFFIX_TOKENS, MAX_TOKENS, NUM_REQUESTS = 4, 40, 24, 4
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -55,6 +56,21 @@ def complete(url: str, model: str, prompt: list[int], **params) -> None:
         assert json.load(r)["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+def complete_together(url: str, model: str, prompts: list[list[int]], **params) -> None:
+    """The requests sent at once (a barrier), so that they are scheduled
+    within a step or two of each other and decode together for most of their
+    MAX_TOKENS steps (sent from a pool without it and decoding 7 tokens each,
+    once no two of them decoded in the same step, so nothing was shared)."""
+    barrier = threading.Barrier(len(prompts))
+
+    def send(prompt: list[int]) -> None:
+        barrier.wait(timeout=60)
+        complete(url, model, prompt, **params)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(send, prompts))
+
+
 def test_tree_series_count_the_workload_once_under_tensor_parallelism(tmp_path):
     model_name, dtype, block_size, _, _, _ = CONFIGS[CONFIG]
     model = ensure_model(model_name)
@@ -75,14 +91,12 @@ def test_tree_series_count_the_workload_once_under_tensor_parallelism(tmp_path):
     with VllmServer(model, args, log_path=tmp_path / "server.log", env=env) as server:
         complete(server.url, model, prompts[0])  # caches the prefix
         before = scrape(server.url)
-        with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-            list(pool.map(lambda p: complete(server.url, model, p), prompts[1 : NUM_REQUESTS + 1]))
+        complete_together(server.url, model, prompts[1 : NUM_REQUESTS + 1])
         after = scrape(server.url)
         # Two requests with the cached prefix that ask for prompt logprobs:
         # vLLM does not read the prefix cache for them, so each recomputes the
         # prefix into blocks of its own, and decoding together they share nothing.
-        with ThreadPoolExecutor(len(logprobs_prompts)) as pool:
-            list(pool.map(lambda p: complete(server.url, model, p, prompt_logprobs=1), logprobs_prompts))
+        complete_together(server.url, model, logprobs_prompts, prompt_logprobs=1)
         final = scrape(server.url)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     lost = {name: final.get(name, 0.0) - after.get(name, 0.0) for name in final}
