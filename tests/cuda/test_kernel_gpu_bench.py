@@ -181,6 +181,28 @@ def test_relay_grid_and_its_method_inputs_on_cpu():
         torch.testing.assert_close(fn().float(), expected.float(), atol=3e-2, rtol=3e-2, msg=method)
 
 
+def test_relay_chunk_drops_own_nodes_as_the_engine_does_on_cpu():
+    """With fewer new tokens than CUDA.own_node_min_query_len, `chunk` runs the
+    engine's tree (each request's own node dropped) and `chunk_own_stacked` the
+    tree with them; both agree with the causal oracle."""
+    from vllm_chunkattn.kernels.support import CUDA
+
+    q = CUDA.own_node_min_query_len - 1
+    point = kg.Point("relay", 4, 128, 128, 32 + q, query_len=q)
+    settings = kg.Settings(heads=4, kv_heads=2, head_size=64, block_size=32, dtype="bfloat16",
+                           methods=["chunk", "chunk_own_stacked", "chunk_prefill"])
+    fns, skipped, facts = kg._method_fns(point, settings, torch.device("cpu"))
+    assert set(fns) == {"chunk", "chunk_own_stacked", "chunk_prefill"} and not skipped
+    assert facts["nodes"] == 1  # the shared prefix only
+    query, kv, table, seq_lens, scale = facts["inputs"]
+    expected = reference.paged_attention(query, kv, torch.arange(5, dtype=torch.int32) * q, seq_lens, table, scale)
+    for method, fn in fns.items():
+        torch.testing.assert_close(fn().float(), expected.float(), atol=3e-2, rtol=3e-2, msg=method)
+    point = kg.Point("relay", 4, 128, 128, 32 + q + 1, query_len=q + 1)
+    fns, skipped, facts = kg._method_fns(point, settings, torch.device("cpu"))
+    assert "chunk_own_stacked" in skipped and facts["nodes"] == 1 + 4
+
+
 def test_relay_crossover_reads_the_threshold_off_the_grid():
     def row(q, chunk, prefill):
         return {"grid": "relay", "query_len": q, "times_us": {"chunk": chunk, "chunk_prefill": prefill}}

@@ -115,7 +115,8 @@ from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix import tree
-from vllm_chunkattn.prefix.query_rows import expand_query_rows
+from vllm_chunkattn.prefix.query_rows import expand_query_rows, unstack_own_nodes
+from vllm_chunkattn.kernels.support import CPU
 
 IMPLS = ["ours", "PagedAttn", "PagedAttn*", "Naive", "SDPA"]
 # Timed per point beside the implementations, paid once per engine step for all layers; not attention,
@@ -685,8 +686,10 @@ def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callabl
     if p.shared:
         # The builder's work, once per step for all layers: timed apart ("tree rows plan").
         def plan_rows():
-            rows = expand_query_rows(table, seq_lens, qsl[1:] - qsl[:-1])
-            ctx = tree.prefix_tree(rows.block_table, rows.unmasked_lens, p.chunk)
+            query_lens = qsl[1:] - qsl[:-1]
+            rows = expand_query_rows(table, seq_lens, query_lens)
+            ctx = unstack_own_nodes(tree.prefix_tree(rows.block_table, rows.unmasked_lens, p.chunk), query_lens,
+                                    CPU.own_node_min_query_len)  # the engine's nodes
             return ops.plan_tpp_decode(point_shape(p), rows.block_table, rows.seq_lens, ctx)
 
         tree_plan = plan_rows()

@@ -28,6 +28,10 @@ to a point says so instead of a time):
                  nodes on tensor cores + sequence-first phase + merge
   chunk_no_tree  the same kernels with an empty tree (no chunk-first phase):
                  what TPP itself buys
+  chunk_own_stacked  on points of several tokens per request, every request's
+                 own rows stacked over its private chunks, where `chunk` drops
+                 those nodes as the engine does (CUDA.own_node_min_query_len):
+                 what that per-node rule buys
   chunk_prefill  our per-request paged prefill (ops.paged_prefill), where
                  requests have several new tokens: the path the engine takes
                  for them above the tree threshold
@@ -66,13 +70,15 @@ import torch
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
-from vllm_chunkattn.prefix.query_rows import expand_query_rows
+from vllm_chunkattn.kernels.support import CUDA
+from vllm_chunkattn.prefix.query_rows import expand_query_rows, unstack_own_nodes
 from vllm_chunkattn.prefix.tree import context_from_nodes
 from vllm_chunkattn.testing.paged_cases import multi_level, num_blocks_needed, shared_prefix
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 
-METHODS = ["chunk", "chunk_no_tree", "chunk_prefill", "fa_shared", "fa_unshared", "flashinfer", "xformers", "sdpa"]
+METHODS = ["chunk", "chunk_no_tree", "chunk_own_stacked", "chunk_prefill", "fa_shared", "fa_unshared", "flashinfer",
+           "xformers", "sdpa"]
 RELAY_QUERY_LENS = (1, 2, 4, 8, 16, 64)
 
 
@@ -277,8 +283,10 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q
     started = time.perf_counter()
     # One tree row per query token (for q = 1: the requests themselves), as the builder makes them.
-    rows = expand_query_rows(table, seq_lens, torch.full((batch,), q))
-    ctx = prefix_tree(rows.block_table, rows.unmasked_lens, s.block_size)
+    query_lens = torch.full((batch,), q)
+    rows = expand_query_rows(table, seq_lens, query_lens)
+    stacked_ctx = prefix_tree(rows.block_table, rows.unmasked_lens, s.block_size)
+    ctx = unstack_own_nodes(stacked_ctx, query_lens, CUDA.own_node_min_query_len)  # the engine's nodes
     facts = {"tree_build_ms": (time.perf_counter() - started) * 1e3, "nodes": ctx.num_nodes,
              "partial_rows": ctx.num_partial_rows, "context": seq_len,
              "inputs": (query, kv, table, seq_lens, scale)}
@@ -301,6 +309,11 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
         fns["chunk"] = chunk_fn(ctx)
     if "chunk_no_tree" in s.methods:
         fns["chunk_no_tree"] = chunk_fn(context_from_nodes(np.arange(num_rows), [], num_rows))
+    if "chunk_own_stacked" in s.methods:
+        if ctx is stacked_ctx:
+            skipped["chunk_own_stacked"] = "no own node dropped here: the same nodes as chunk"
+        else:
+            fns["chunk_own_stacked"] = chunk_fn(stacked_ctx)
     if "chunk_prefill" in s.methods:
         if q == 1:
             skipped["chunk_prefill"] = "one-token rows: the engine's path is the tree"
