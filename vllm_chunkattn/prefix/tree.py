@@ -114,32 +114,36 @@ def context_from_nodes(order: np.ndarray, nodes: list[tuple[int, int, int, int]]
     """A context for tree order `order` and nodes (begin, end, chunk_begin,
     chunk_end), partial rows numbered node by node. Also used for trees cut
     to fit fixed device buffers (device_context.fit_context)."""
+    order = np.asarray(order, dtype=np.int64)
+    columns = np.asarray(nodes, dtype=np.int64).reshape(-1, 4)
+    begin, end, chunk_end = columns[:, 0], columns[:, 1], columns[:, 3]
+    sizes = end - begin
+    offsets = np.cumsum(sizes) - sizes
+    # One entry per (node, covered tree position), numbered node by node: the
+    # entry's index is its partial row.
+    num_partials = int(sizes.sum())
+    node_of = np.repeat(np.arange(len(sizes)), sizes)
+    row_of = order[begin[node_of] + np.arange(num_partials) - offsets[node_of]]
     shared = np.zeros(num_rows, np.int64)
-    per_row: list[list[int]] = [[] for _ in range(num_rows)]
-    offsets, offset = [], 0
-    for begin, end, _, chunk_end in nodes:
-        offsets.append(offset)
-        for t in range(begin, end):
-            row = int(order[t])
-            per_row[row].append(offset + t - begin)
-            shared[row] = max(shared[row], chunk_end)
-        offset += end - begin
+    np.maximum.at(shared, row_of, chunk_end[node_of])
+    # Each row's partial rows in node order (a stable sort keeps it).
+    by_row = np.argsort(row_of, kind="stable")
+    counts = np.bincount(row_of, minlength=num_rows)
 
     def i32(values) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int32).reshape(-1))
 
-    columns = list(zip(*nodes)) if nodes else [[], [], [], []]
     return PrefixTreeContext(
         order=i32(order),
-        node_begin=i32(columns[0]),
-        node_end=i32(columns[1]),
-        node_chunk_begin=i32(columns[2]),
-        node_chunk_end=i32(columns[3]),
+        node_begin=i32(begin),
+        node_end=i32(end),
+        node_chunk_begin=i32(columns[:, 2]),
+        node_chunk_end=i32(chunk_end),
         node_partial_offset=i32(offsets),
         shared_chunks=i32(shared),
-        row_partial_offsets=i32(np.cumsum([0] + [len(r) for r in per_row])),
-        row_partials=i32([i for r in per_row for i in r]),
-        num_partial_rows=offset,
+        row_partial_offsets=i32(np.concatenate([[0], np.cumsum(counts)])),
+        row_partials=i32(by_row),
+        num_partial_rows=num_partials,
     )
 
 
