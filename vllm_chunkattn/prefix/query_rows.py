@@ -76,15 +76,20 @@ def unstack_own_nodes(ctx: PrefixTreeContext, query_lens: torch.Tensor, min_quer
     than `min_query_len` new tokens: the chunks of such a node are then
     attended row by row in the sequence-first phase (results unchanged). A
     node covering several requests is kept, and with it its ancestors, which
-    cover at least those requests. `ctx` itself when nothing is dropped."""
-    request = np.repeat(np.arange(len(query_lens)), query_lens.numpy())[ctx.order.numpy()]  # per tree position
-    kept = []
-    for node in zip(ctx.node_begin.tolist(), ctx.node_end.tolist(), ctx.node_chunk_begin.tolist(),
-                    ctx.node_chunk_end.tolist()):
-        covered = request[node[0] : node[1]]
-        own = covered.min() == covered.max()
-        if not own or int(query_lens[covered[0]]) >= min_query_len:
-            kept.append(node)
-    if len(kept) == ctx.num_nodes:
+    cover at least those requests. `ctx` itself when nothing is dropped (always
+    for min_query_len <= 2: a node covers at least two rows)."""
+    if min_query_len <= 2 or ctx.num_nodes == 0:
         return ctx
-    return context_from_nodes(ctx.order.numpy(), kept, int(ctx.order.numel()))
+    request = np.repeat(np.arange(len(query_lens)), query_lens.numpy())[ctx.order.numpy()]  # per tree position
+    # The lowest and highest request under each node: reduceat over [begin, end)
+    # (every other bound pair is the gap between nodes; the pad keeps the last
+    # bound inside the array).
+    bounds = np.stack([ctx.node_begin.numpy(), ctx.node_end.numpy()], axis=1).ravel()
+    padded = np.append(request, 0)
+    lowest = np.minimum.reduceat(padded, bounds)[::2]
+    highest = np.maximum.reduceat(padded, bounds)[::2]
+    dropped = (lowest == highest) & (query_lens.numpy()[lowest] < min_query_len)
+    if not dropped.any():
+        return ctx
+    nodes = torch.stack([ctx.node_begin, ctx.node_end, ctx.node_chunk_begin, ctx.node_chunk_end], dim=1).numpy()
+    return context_from_nodes(ctx.order.numpy(), nodes[~dropped].tolist(), int(ctx.order.numel()))

@@ -81,7 +81,7 @@ class StepPlanner:
             host_table = rows.block_table[:, :full_chunks].cpu()
         start = time.perf_counter()
         tree = self.tree_cache.get(host_table, host_rows.unmasked_lens, self.shape.block_size)
-        if query_lens is not None and self.own_node_min_query_len > 2:
+        if query_lens is not None:
             tree = unstack_own_nodes(tree, query_lens, self.own_node_min_query_len)
         if self.device_tree is not None and not multi_token_rows:
             # The tree copied into the fixed buffers only when it changed; the
