@@ -158,6 +158,24 @@ def test_engine_steps_decode_rows_decode(dtype, group):
                         own_node_min_query_len=CUDA.own_node_min_query_len)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(32, 32), (32, 8)])
+def test_cuda_reach_is_measured_on_the_gpu(heads, kv_heads):
+    """The engine's start-up measurement of the tree path's reach (kernels/tree_reach.py) on this GPU: its
+    two paths agree, and the reach is the last q x group before the first loss."""
+    from vllm_chunkattn.kernels import tree_reach
+
+    shape = DecodeShape(num_heads=heads, num_kv_heads=kv_heads, head_size=128, block_size=64,
+                        dtype=torch.bfloat16)
+    device = torch.device("cuda", torch.cuda.current_device())
+    paths = tree_reach.tree_paths(shape, query_len=4, device=device)
+    _check(paths["tree"](), paths["per_request"]().float().cpu(), torch.bfloat16)
+    reach, measured = tree_reach.measure_reach(shape, device)
+    print(f"\n{heads}/{kv_heads} heads: reach {reach} rows per KV head; per-request/tree {measured}")
+    gains = {int(rows): gain for rows, gain in measured.items()}
+    assert reach == max([shape.group] + [rows for rows, gain in gains.items() if gain >= 1.0])
+    assert all(gain >= 1.0 for rows, gain in gains.items() if rows < max(gains))
+
+
 @pytest.mark.parametrize("dtype,head_size,block_size", list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES)))
 def test_prefill_random(dtype, head_size, block_size):
     for seed, group in enumerate(GROUPS):

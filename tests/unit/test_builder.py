@@ -259,6 +259,27 @@ def test_the_builder_applies_the_cpu_tuning_of_its_shape(monkeypatch, reach, max
         before.apply()
 
 
+def test_on_cuda_the_builder_takes_the_reach_its_gpu_measured(monkeypatch):
+    """With the CUDA kernels, requests take the tree path up to the query length timed on the GPU for the
+    layer shape at start (kernels/tree_reach.py); the device buffers are host stand-ins here."""
+    from types import SimpleNamespace
+
+    from vllm_chunkattn.backend import builder as builder_module
+    from vllm_chunkattn.kernels import tree_reach
+
+    asked = []
+    monkeypatch.setattr(ops, "cuda_kernels_available", lambda: True)
+    monkeypatch.setattr(builder_module, "DeviceTreeBuffers", lambda **capacity: SimpleNamespace(
+        **{**capacity, "device": torch.device("cpu")}))
+    monkeypatch.setattr(tree_reach, "cuda_reach", lambda shape, device: asked.append((shape, device)) or 8)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    config = VllmConfig(model_config=ModelConfig(model=ensure_model("tiny")), cache_config=CacheConfig())
+    gpu = torch.device("cuda", 0)
+    builder = ChunkAttentionMetadataBuilder(spec, ["layer.0"], config, gpu)
+    assert asked == [(builder.decode_shape, gpu)]
+    assert builder.decode_shape.group == 2 and builder.reorder_batch_threshold == 8 // 2
+
+
 def test_prefix_caching_off_is_reported_once_per_process():
     """Without prefix caching no request shares a block: the builder of every
     KV-cache group (and the ones built after) says so once, not once each."""

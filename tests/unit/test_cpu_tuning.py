@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_chunkattn import _C
-from vllm_chunkattn.kernels import cpu_tuning
+from vllm_chunkattn.kernels import cpu_tuning, tree_reach
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix.plan import DecodeShape
 
@@ -77,36 +77,6 @@ def test_measure_picks_candidates_applies_them_and_records_every_candidate():
     assert tuning.tree_max_rows_per_kv_head == max([SMALL.group] + [r for r in timed if reach[str(r)] >= 1.0])
 
 
-def test_the_two_paths_of_the_reach_measurement_agree():
-    """The tree path and the per-request prefill timed against each other compute the same attention."""
-    for shape, atol in ((SMALL, 1e-5),
-                        (DecodeShape(num_heads=8, num_kv_heads=8, head_size=128, block_size=32,
-                                     dtype=torch.bfloat16), 2e-2)):
-        paths = cpu_tuning.tree_paths(shape, query_len=3)
-        tree, per_request = paths["tree"]().float(), paths["per_request"]().float()
-        assert tree.shape == (cpu_tuning.TREE_REQUESTS * 3, shape.num_heads, shape.head_size)
-        assert torch.allclose(tree, per_request, atol=atol), shape
-
-
-@pytest.mark.parametrize("gains,reach", [
-    ([1.5, 1.2, 0.9], 8),  # group 2: q = 2 and 4 win (4, 8 rows per KV head), q = 8 loses
-    ([0.8], 2),            # q = 2 loses already: decodes only (q = 1, the group's 2 rows)
-    ([1.1] * 5, 64),       # never loses: up to TREE_MAX_ROWS_PER_KV_HEAD
-])
-def test_the_reach_stops_at_the_first_loss(monkeypatch, gains, reach):
-    timed = []
-
-    def gain(shape, query_len):
-        timed.append(query_len)
-        return gains[len(timed) - 1]
-
-    monkeypatch.setattr(cpu_tuning, "tree_gain", gain)
-    measured_reach, measured = cpu_tuning.measure_tree_reach(SMALL)
-    assert measured_reach == reach
-    assert timed == [2 ** (i + 1) for i in range(len(gains))]
-    assert measured == {str(SMALL.group * q): g for q, g in zip(timed, gains)}
-
-
 def test_a_change_needs_min_gain(monkeypatch):
     """A candidate within MIN_GAIN of the current value does not replace it (noise never moves the defaults)."""
     default = cpu_tuning.CpuTuning()
@@ -116,7 +86,7 @@ def test_a_change_needs_min_gain(monkeypatch):
         return {c: 1.0 if c == getattr(default, name) else 0.98 for c in candidates}
 
     monkeypatch.setattr(cpu_tuning, "_time_candidates", timed)
-    monkeypatch.setattr(cpu_tuning, "measure_tree_reach", lambda shape: (4, {}))
+    monkeypatch.setattr(tree_reach, "measure_reach", lambda shape: (4, {}))
     assert cpu_tuning.measure(SMALL)[0] == cpu_tuning.ShapeTuning(default, 4)
 
     def much_faster(name, candidates, base, calls):

@@ -29,8 +29,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunkattn import BACKEND_NAME
 from vllm_chunkattn.backend.stats import DecodeStats, logger
-from vllm_chunkattn.kernels import cpu_tuning, ops
-from vllm_chunkattn.kernels.support import CUDA, for_platform, names
+from vllm_chunkattn.kernels import cpu_tuning, ops, tree_reach
+from vllm_chunkattn.kernels.support import CUDA, for_platform, names, tree_max_query_len
 from vllm_chunkattn.metrics import TreeMetricsWriter, metrics_writer
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape
@@ -138,19 +138,27 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 "Enable prefix caching to benefit.",
                 BACKEND_NAME,
             )
-        if on_cuda:
-            tree_max_query_len = support.tree_max_query_len(self.decode_shape.group)
+        group = self.decode_shape.group
+        if device_tree is not None:
+            # The longest query worth stacking in the tree, timed on this GPU
+            # for this shape (about a second; logged once).
+            max_query_len = tree_max_query_len(tree_reach.cuda_reach(self.decode_shape, device), group)
+        elif on_cuda:
+            max_query_len = support.tree_max_query_len(group)
         else:
             # The CPU kernels' tile parameters for this shape on this CPU, and
             # the longest query worth stacking in the tree: from the tuning
             # cache, else measured now (seconds; logged once).
-            tuning = cpu_tuning.ensure_tuned(self.decode_shape)
-            tree_max_query_len = tuning.tree_max_query_len(self.decode_shape.group)
-        # Requests with at most tree_max_query_len new tokens are "decodes" to
+            max_query_len = cpu_tuning.ensure_tuned(self.decode_shape).tree_max_query_len(group)
+        # The threshold orders each worker's batch (decodes first), and the
+        # ranks of a tensor- or pipeline-parallel model exchange activations
+        # row by row, so all of them must order alike; each timed its own.
+        max_query_len = _same_on_every_rank(max_query_len, support.tree_max_query_len(group))
+        # Requests with at most max_query_len new tokens are "decodes" to
         # vLLM's batch reordering and take the tree path. Speculative
         # decoding's rows of 1 + k tokens take it too (vLLM raises the
         # threshold to them) where the kernels take rows of several tokens.
-        self._init_reorder_batch_threshold(tree_max_query_len,
+        self._init_reorder_batch_threshold(max_query_len,
                                            supports_spec_as_decode=support.tree_max_rows_per_kv_head > 1)
         self.planner = StepPlanner(self.decode_shape, device_tree, support.own_node_min_query_len)
         # A windowed group (vLLM's SlidingWindowSpec) reads each row's last
@@ -203,6 +211,25 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
             prefill_seq_lens=seq_lens[num_decodes:],
             prefill_block_table=block_table[num_decodes:],
         )
+
+
+def _same_on_every_rank(measured: int, built_in: int) -> int:
+    """A value every rank that runs this model's layers on the same batch agrees on: the smallest
+    `measured` of the tensor-parallel ranks, or `built_in` under pipeline parallelism, whose stages may
+    build different numbers of metadata builders (a hybrid model's layer kinds split unevenly), so that a
+    collective per builder could wait forever. `measured` itself in a single process."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return measured
+    if parallel_state.get_pp_group().world_size > 1:
+        return built_in
+    tp = parallel_state.get_tp_group()
+    if tp.world_size == 1:
+        return measured
+    smallest = torch.tensor([measured], dtype=torch.int64)
+    torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN, group=tp.cpu_group)
+    return int(smallest.item())
 
 
 def _metrics_writer(vllm_config: VllmConfig) -> TreeMetricsWriter | None:

@@ -13,14 +13,9 @@ constants (csrc/cpu/kernels.h, `CpuTuning`):
                       out of line it cured a register spill on a Zen 5)
 
 Nor is the point where a request with several new tokens stops gaining from
-the prefix-tree path (its rows stacked with the other requests' over their
-shared chunks) and is better served by the per-request prefill: the kernel
-benchmark's relay grid put it at 16 query rows per KV head on a Zen 5 and at
-8 on a Zen 4 (rows: new tokens x GQA group). So it is measured too, as
-`ShapeTuning.tree_max_rows_per_kv_head`: the tree path and the per-request
-prefill timed on the same synthetic batch (`TREE_REQUESTS` requests behind
-`TREE_SHARED_TOKENS` shared tokens) for doubling query lengths, up to the
-last one where the tree path is at least as fast.
+the prefix-tree path and is better served by the per-request prefill, so it is
+measured too, with the tiles chosen, as `ShapeTuning.tree_max_rows_per_kv_head`
+(kernels/tree_reach.py).
 
 `ensure_tuned(shape)` runs once per process and layer shape, at engine start
 (the metadata builder calls it). It reads the values from a cache file
@@ -53,7 +48,9 @@ import torch
 
 from vllm_chunkattn import _C
 from vllm_chunkattn.kernels.cpu_info import cpu_description
+from vllm_chunkattn.kernels import tree_reach
 from vllm_chunkattn.kernels.support import CPU, tree_max_query_len
+from vllm_chunkattn.kernels.tree_reach import blocks, interleaved_medians, random_cache, shared_prefix_batch, timed
 from vllm_chunkattn.prefix.plan import DecodeShape
 
 logger = logging.getLogger("vllm.chunkattn.kernels")  # in vLLM's hierarchy, see plugin.py
@@ -80,14 +77,6 @@ REPEATS = 5
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-# The tree path's reach is timed on TREE_REQUESTS requests with q new tokens
-# each after TREE_SHARED_TOKENS shared and TREE_PRIVATE_TOKENS private ones
-# (the kernel benchmark's relay grid, scaled down), q = 2, 4, 8, ... while
-# q x group <= TREE_MAX_ROWS_PER_KV_HEAD.
-TREE_REQUESTS = 16
-TREE_SHARED_TOKENS = 1024
-TREE_PRIVATE_TOKENS = 64
-TREE_MAX_ROWS_PER_KV_HEAD = 64
 CACHE_VERSION = 2
 
 
@@ -184,7 +173,8 @@ def load(path: Path, key: dict) -> ShapeTuning | None:
         if set(record["tuning"]) != fields:
             raise ValueError(f"its parameters are {sorted(record['tuning'])}, not {sorted(fields)}")
         tiles = CpuTuning(**record["tuning"])
-        limits = {**_C.cpu_tuning_limits(), "tree_max_rows_per_kv_head": (1, TREE_MAX_ROWS_PER_KV_HEAD)}
+        limits = {**_C.cpu_tuning_limits(),
+                  "tree_max_rows_per_kv_head": (1, tree_reach.CPU_PROBE.max_rows_per_kv_head)}
         tuning = ShapeTuning(tiles, record["tree_max_rows_per_kv_head"])
         for name, value in [*dataclasses.asdict(tiles).items(),
                             ("tree_max_rows_per_kv_head", tuning.tree_max_rows_per_kv_head)]:
@@ -214,27 +204,6 @@ def save(path: Path, key: dict, tuning: ShapeTuning, measured: dict, seconds: fl
 # ---------------------------------------------------------------- measurement
 
 
-def _random_cache(num_blocks: int, shape: DecodeShape, generator: torch.Generator) -> torch.Tensor:
-    cache = torch.empty(num_blocks, shape.num_kv_heads, shape.block_size, 2 * shape.head_size, dtype=shape.dtype)
-    return cache.uniform_(-1.0, 1.0, generator=generator)
-
-
-def _blocks(n: int, block_size: int) -> int:
-    return -(-n // block_size)
-
-
-def _shared_prefix_batch(shape: DecodeShape, batch: int, shared: int, context: int,
-                         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random cache, block table and seq_lens of `batch` requests of `context` tokens whose first
-    `shared` tokens (whole blocks) are the same blocks."""
-    bs = shape.block_size
-    shared_blocks, private_blocks = shared // bs, _blocks(context - shared, bs)
-    cache = _random_cache(shared_blocks + batch * private_blocks, shape, generator)
-    private = shared_blocks + torch.arange(batch * private_blocks, dtype=torch.int32).reshape(batch, -1)
-    table = torch.cat([torch.arange(shared_blocks, dtype=torch.int32).expand(batch, -1), private], dim=1)
-    return cache, table, torch.full((batch,), context, dtype=torch.int32)
-
-
 def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
     """One call per synthetic workload of `shape`, small enough that measuring takes seconds:
     prefill        8 requests x 256 new tokens after 768 cached
@@ -250,8 +219,8 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
 
     # prefill
     reqs, new, ctx = 8, 256, 1024
-    per_req = _blocks(ctx, bs)
-    cache = _random_cache(reqs * per_req, shape, gen)
+    per_req = blocks(ctx, bs)
+    cache = random_cache(reqs * per_req, shape, gen)
     table = torch.arange(reqs * per_req, dtype=torch.int32).reshape(reqs, per_req)
     seq_lens = torch.full((reqs,), ctx, dtype=torch.int32)
     qsl = torch.arange(reqs + 1, dtype=torch.int32) * new
@@ -260,63 +229,19 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
     calls["prefill"] = lambda: ops.paged_prefill(query, cache, qsl, seq_lens, table, scale, out)
 
     def decode(batch: int, shared: int, context: int) -> Callable[[], None]:
-        kv, table, lens = _shared_prefix_batch(shape, batch, shared, context, gen)
+        kv, table, lens = shared_prefix_batch(shape, batch, shared, context, gen)
         q = torch.empty(batch, heads, d, dtype=shape.dtype).uniform_(-1.0, 1.0, generator=gen)
         o = torch.empty_like(q)
         plan = ops.plan_tpp_decode(shape, table, lens, PrefixTreeCache().get(table, lens, bs))
         return lambda: ops.tpp_decode(q, kv, plan, scale, o)
 
-    shared = _blocks(1024, bs) * bs
+    shared = blocks(1024, bs) * bs
     calls["shared_decode"] = decode(32, shared, shared + 1)
     token_bytes = shape.num_kv_heads * 2 * d * shape.dtype.itemsize
     batch = 8
     context = max(bs, min(16384, PRIVATE_DECODE_KV_BYTES // token_bytes // batch // bs * bs))
     calls["private_decode"] = decode(batch, 0, context)
     return calls
-
-
-def tree_paths(shape: DecodeShape, query_len: int) -> dict[str, Callable[[], torch.Tensor]]:
-    """The engine's two ways to attend TREE_REQUESTS requests with `query_len` new tokens each behind a
-    shared prefix, on the same inputs: "tree" (every query token a row of tpp_decode over the rows' prefix
-    tree, as the builder plans it) and "per_request" (paged_prefill). Each call returns its output."""
-    from vllm_chunkattn.kernels import ops
-    from vllm_chunkattn.prefix.query_rows import expand_query_rows
-    from vllm_chunkattn.prefix.tree import prefix_tree
-
-    gen = torch.Generator().manual_seed(1)
-    bs, reqs = shape.block_size, TREE_REQUESTS
-    shared = _blocks(TREE_SHARED_TOKENS, bs) * bs
-    cache, table, lens = _shared_prefix_batch(shape, reqs, shared, shared + TREE_PRIVATE_TOKENS + query_len, gen)
-    query_lens = torch.full((reqs,), query_len, dtype=torch.int32)
-    qsl = torch.arange(reqs + 1, dtype=torch.int32) * query_len
-    query = torch.empty(reqs * query_len, shape.num_heads, shape.head_size, dtype=shape.dtype)
-    query.uniform_(-1.0, 1.0, generator=gen)
-    tree_out, per_request_out = torch.empty_like(query), torch.empty_like(query)
-    scale = shape.head_size**-0.5
-    rows = expand_query_rows(table, lens, query_lens)
-    plan = ops.plan_tpp_decode(shape, rows.block_table, rows.seq_lens,
-                               prefix_tree(rows.block_table, rows.unmasked_lens, bs))
-    return {"tree": lambda: ops.tpp_decode(query, cache, plan, scale, tree_out),
-            "per_request": lambda: ops.paged_prefill(query, cache, qsl, lens, table, scale, per_request_out)}
-
-
-def _timed(call: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
-def _interleaved_medians(options: list, run: Callable[[object], list[float]]) -> dict[object, list[float]]:
-    """Per option, the median over REPEATS runs of each time `run(option)` returns. The options run
-    interleaved, in an order rotated by one per repetition, after a first pass that warms up."""
-    times: dict[object, list[list[float]]] = {o: [] for o in options}
-    for rep in range(REPEATS + 1):
-        first = rep % len(options)
-        for option in options[first:] + options[:first]:
-            measured = run(option)
-            if rep:
-                times[option].append(measured)
-    return {o: [sorted(column)[len(column) // 2] for column in zip(*times[o])] for o in options}
 
 
 def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
@@ -326,34 +251,11 @@ def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
 
     def run(value: int) -> list[float]:
         dataclasses.replace(base, **{name: value}).apply()
-        return [_timed(call) for call in calls]
+        return [timed(call) for call in calls]
 
-    medians = _interleaved_medians(list(candidates), run)
+    medians = interleaved_medians(list(candidates), run, REPEATS)
     first = medians[candidates[0]]
     return {c: sum(t / t0 for t, t0 in zip(medians[c], first)) for c in candidates}
-
-
-def tree_gain(shape: DecodeShape, query_len: int) -> float:
-    """The per-request prefill's time over the tree path's on tree_paths(shape, query_len)."""
-    paths = tree_paths(shape, query_len)
-    medians = _interleaved_medians(list(paths), lambda path: [_timed(paths[path])])
-    return medians["per_request"][0] / medians["tree"][0]
-
-
-def measure_tree_reach(shape: DecodeShape) -> tuple[int, dict[str, float]]:
-    """The most query rows per KV head (q x group for q = 1, 2, 4, ...) up to which the tree path was at
-    least as fast as the per-request prefill at every q, with the tiles applied now; and, per q x group
-    timed, the per-request time over the tree path's."""
-    reach, measured = shape.group, {}
-    query_len = 2
-    while query_len * shape.group <= TREE_MAX_ROWS_PER_KV_HEAD:
-        gain = tree_gain(shape, query_len)
-        measured[str(query_len * shape.group)] = round(gain, 4)
-        if gain < 1.0:
-            break
-        reach = query_len * shape.group
-        query_len *= 2
-    return reach, measured
 
 
 def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
@@ -372,7 +274,7 @@ def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
                 best = dataclasses.replace(best, **{name: winner})
     finally:
         best.apply()
-    reach, measured["tree_max_rows_per_kv_head"] = measure_tree_reach(shape)
+    reach, measured["tree_max_rows_per_kv_head"] = tree_reach.measure_reach(shape)
     return ShapeTuning(best, reach), measured
 
 

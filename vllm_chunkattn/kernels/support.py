@@ -27,10 +27,10 @@ class PlatformSupport:
     # rows pays while each request brings few; with many, the prefill's own
     # query tiles already reuse each key and the tree path only adds partial
     # results (`python -m vllm_chunkattn.bench.kernel --grid relay`). The
-    # crossover is the CPU's: the engine measures it at start per layer shape
-    # (kernels/cpu_tuning.py) and uses this value only with
-    # CHUNKATTN_CPU_TUNING=default. On CUDA it is the GPU benchmark's
-    # (`python -m vllm_chunkattn.bench.kernel_gpu --grids relay`, docs/cuda.md).
+    # crossover is the device's: the engine measures it at start per layer
+    # shape (kernels/tree_reach.py) and uses this value only with
+    # CHUNKATTN_CPU_TUNING=default, under pipeline parallelism, and on CUDA
+    # when the measurement's batch does not fit in GPU memory.
     tree_max_rows_per_kv_head: int
     # Per node, within that path: a request's own rows form a node over its
     # private chunks (prefix/query_rows.py). Such a node is stacked when the
@@ -79,7 +79,7 @@ CUDA = PlatformSupport(
     dtypes=(torch.float16, torch.bfloat16),
     # H200, relay grid (16 and 32 heads, GQA 1 and 4, fp16 and bf16): the tree
     # path won every point up to 8 rows per KV head and lost MHA at 16
-    # (docs/results/nvidia-h200/relay_*.md).
+    # (docs/results/nvidia-h200/relay_*.md): the value for every shape.
     tree_max_rows_per_kv_head=8,
     # H200, relay shape: unstacking was 1.12x to 1.56x faster at 2 and 4 new
     # tokens, 0.74x (MHA) at 8 and 0.67x to 0.97x at 16 (docs/cuda.md).
