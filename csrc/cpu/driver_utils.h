@@ -72,13 +72,55 @@ inline DriverScratch& driver_scratch() {
   return s;
 }
 
+#if defined(__x86_64__)
+// The drivers are compiled for any x86-64 (the tiles per ISA), where
+// c10::Half converts one value at a time in software: a prefill's query and
+// output rows, D values each way per row, took 16% of an fp16 prefill on a
+// Zen 4 that way (fp32: 3%). Every CPU with AVX has F16C but a few early
+// ones; the conversion rounds to nearest even, as c10's does.
+inline bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("f16c");
+  return yes;
+}
+
+__attribute__((target("avx,f16c"))) inline void load_scaled_f16c(const c10::Half* src, int64_t n, float scale,
+                                                                   float* dst) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i,
+                     _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), s));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+__attribute__((target("avx,f16c"))) inline void store_row_f16c(const float* src, int64_t n, c10::Half* dst,
+                                                                 float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(src + i), s), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i] * scale);
+}
+#endif
+
 template <typename T>
 inline void load_scaled(const T* src, int64_t n, float scale, float* dst) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    if (has_f16c()) return load_scaled_f16c(src, n, scale, dst);
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
 
 template <typename T>
 inline void store_row(const float* src, int64_t n, T* dst, float scale = 1.f) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    if (has_f16c()) return store_row_f16c(src, n, dst, scale);
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
 }
 

@@ -426,6 +426,40 @@ def test_tpp_decode_sinks_and_alibi_across_node_splits(isa, threads, which):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp16_rows_round_as_torch_does(isa, group):
+    """The drivers convert fp16 query and output rows with F16C where the CPU has it (csrc/cpu/driver_utils.h):
+    on fp16 values, the fp16 ops give the fp32 ops' results on the same values, rounded as torch rounds them,
+    bit for bit (a prefill from scratch, one after a cached context, a decode over a shared prefix)."""
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, head_size, bs = 2, 128, 32
+    cases = []
+    for reqs, new, ctx in [(2, 40, 100), (3, 7, 7)]:
+        per = -(-ctx // bs)
+        cache = torch.empty(reqs * per, kv_heads, bs, 2 * head_size).uniform_(-1, 1, generator=gen).half()
+        table = torch.arange(reqs * per, dtype=torch.int32).reshape(reqs, per)
+        lens = torch.full((reqs,), ctx, dtype=torch.int32)
+        qsl = torch.arange(reqs + 1, dtype=torch.int32) * new
+        query = torch.empty(reqs * new, kv_heads * group, head_size).uniform_(-1, 1, generator=gen).half()
+        cases.append((query, cache, lambda q, kv, out, qsl=qsl, lens=lens, table=table:
+                      ops.paged_prefill(q, kv, qsl, lens, table, 0.125, out)))
+    case = _one_big_node(batch=6, num_kv_heads=kv_heads, group=group, chunks=2, tail=5, dtype=torch.float16)
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+
+    def decode(q, kv, out):
+        shape = DecodeShape.of_layer(q, kv)
+        ops.tpp_decode(q, kv, ops.plan_tpp_decode(shape, case["block_table"], case["seq_lens"], ctx), 0.125, out)
+
+    cases.append((case["query"], case["kv_cache"], decode))
+    with _isa(isa), _tuning(cpu_tuning.CpuTuning()):
+        for query, cache, op in cases:
+            half, single = torch.empty_like(query), torch.empty(query.shape)
+            op(query, cache, half)
+            op(query.float(), cache.float(), single)
+            assert torch.equal(half, single.half()), (isa, query.shape)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_tpp_decode_all_context_shared(isa):
     """seq_len a multiple of the block size and every chunk shared: no private token at all."""
     case = _one_big_node(batch=4, num_kv_heads=2, group=2, chunks=3, tail=0)

@@ -197,6 +197,9 @@ def test_roofline_takes_the_fastest_rates_that_can_compute_the_dtype():
     bf16 = machine.roofline(3 * 10**9, 48 * 10**9, "bf16", [start, end])
     assert (bf16.peak_gflops, bf16.peak_loop) == (400.0, "avx512_bf16_dot")
     assert bf16.bound_ms == pytest.approx(120.0)
+    # fp16 is widened to fp32 on every x86 CPU the kernels run on: the FMA peak, not the bf16 dot's.
+    fp16 = machine.roofline(3 * 10**9, 48 * 10**9, "fp16", [start, end])
+    assert (fp16.peak_loop, fp16.bound_ms) == ("avx512_fma", pytest.approx(200.0))
     for alone in (start, end):  # two measurements can only lower the bound
         assert machine.roofline(3 * 10**9, 48 * 10**9, "fp32", [alone]).bound_ms >= fp32.bound_ms
     avx2_only = _rates(20.0, avx2_fma=120.0)

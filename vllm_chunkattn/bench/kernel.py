@@ -125,7 +125,7 @@ DECODE_BOOKKEEPING = ("tree rebuild", "tree lookup", "decode plan")  # columns o
 STEP_BOOKKEEPING = (*DECODE_BOOKKEEPING, "tree rows plan")
 DENSE_IMPLS = ("Naive", "SDPA")
 VLLM_DECODE_IMPLS = ("PagedAttn", "PagedAttn*")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # --as-avx2-cpu (module docstring): the environment the benchmark re-executes itself with.
 AS_AVX2_CPU_MARKER = "CHUNKATTN_BENCH_AS_AVX2_CPU"  # set in the re-executed process
 AS_AVX2_CPU_ENV = {"CHUNKATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -1052,8 +1052,9 @@ def report_header(args: argparse.Namespace, env: dict, machine_record: dict, rat
         "",
         "Roofline of a point: max(bytes / the highest bandwidth measured in the run (start, end and every "
         "sample), flops / the highest peak of a loop "
-        "that computes the dtype: fp32 " + ", ".join(machine.PEAK_LOOPS_BY_DTYPE["fp32"]) + "; bf16 "
-        + ", ".join(machine.PEAK_LOOPS_BY_DTYPE["bf16"]) + "), bytes = distinct KV bytes of the step"
+        "that computes the dtype: " + "; ".join(f"{dtype} {', '.join(loops)}" for dtype, loops in
+                                                 machine.PEAK_LOOPS_BY_DTYPE.items())
+        + "), bytes = distinct KV bytes of the step"
         + (" (all of them: the caches are flushed before each call)" if env["flush_cache"]
            else " beyond what the caches can hold (--warm)") + ", flops = 4 b h n d: a lower bound of every "
         "implementation's time, so time / roofline >= 1.",
@@ -1118,7 +1119,7 @@ def avx2_rates(rates: machine.MachineRates) -> machine.MachineRates:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", default="all", choices=GRIDS + ["all"])
-    parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "both"])
+    parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "fp16", "both"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CI smoke run")

@@ -40,6 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PEAK_LOOPS_BY_DTYPE: dict[str, tuple[str, ...]] = {
     "fp32": ("avx512_fma", "avx2_fma"),
     "bf16": ("avx512_fma", "avx2_fma", "avx512_bf16_dot"),
+    "fp16": ("avx512_fma", "avx2_fma"),
 }
 
 # Instructions no peak loop measures: on a CPU that has them, an
