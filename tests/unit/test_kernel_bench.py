@@ -352,3 +352,14 @@ def test_several_windows_time_each_point_in_one_rotation_and_report_what_each_ke
     assert "## tree, fp32, no window" in table and "## tree, fp32, W=100" in table
     kept = table[table.index("## Shared points: speedup kept"):]
     assert "W=100 / no window" in kept and re.search(r"W=100: \d\.\d\d to \d\.\d\d, mean \d\.\d\d", kept)
+
+
+def test_head_size_replaces_the_grids_and_leaves_the_serving_models_own():
+    planned = kernel.plan(["table3", "prefill", "relay", "serve"], ["fp32"], quick=False, head_size=64)
+    by_grid = {}
+    for planned_point in planned:
+        by_grid.setdefault(planned_point.grid, set()).add(planned_point.point.head_dim)
+    assert by_grid["table3"] == by_grid["prefill"] == by_grid["relay"] == {64}
+    assert by_grid["serve"] == {kernel.plan(["serve"], ["fp32"], quick=False)[0].point.head_dim}
+    assert all("d=64" in p.label() for p in planned if p.grid != "serve")
+    assert {p.point.head_dim for p in kernel.plan(["table3"], ["fp32"], quick=False)} == {kernel.DEFAULT_HEAD_SIZE}

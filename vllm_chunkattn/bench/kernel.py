@@ -126,6 +126,7 @@ STEP_BOOKKEEPING = (*DECODE_BOOKKEEPING, "tree rows plan")
 DENSE_IMPLS = ("Naive", "SDPA")
 VLLM_DECODE_IMPLS = ("PagedAttn", "PagedAttn*")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DEFAULT_HEAD_SIZE = 128  # the paper's; --head-size takes the CPU kernels' others
 # --as-avx2-cpu (module docstring): the environment the benchmark re-executes itself with.
 AS_AVX2_CPU_MARKER = "CHUNKATTN_BENCH_AS_AVX2_CPU"  # set in the re-executed process
 AS_AVX2_CPU_ENV = {"CHUNKATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -918,7 +919,7 @@ def run_on_gpu(args: argparse.Namespace) -> int:
 
     for dtype in GPU_DTYPES[args.dtype]:
         gpu_argv = ["--grids", *GPU_GRIDS[args.grid], "--dtype", dtype, "--out", str(Path(args.out) / f"gpu_{dtype}")]
-        gpu_argv += ["--quick"] if args.quick else []
+        gpu_argv += ["--quick"] if args.quick else ["--head-size", str(args.head_size)]
         code = kernel_gpu.main(gpu_argv)
         if code:
             return code
@@ -935,14 +936,17 @@ class PlannedPoint:
 
 
 def plan(grids: list[str], dtypes: list[str], quick: bool, windows: tuple[int, ...] = (0,),
-         sinks: bool = False) -> list[PlannedPoint]:
+         sinks: bool = False, head_size: int = DEFAULT_HEAD_SIZE) -> list[PlannedPoint]:
     """The run's points; with several windows, each point once per window, back to back (run_point times
-    them together, so that their ratios come from the same rotation of the same run)."""
+    them together, so that their ratios come from the same rotation of the same run). `head_size` replaces
+    the grids' 128 (the serve grid keeps its model's, the quick grids their own)."""
     planned = []
     for grid in grids:
         for dtype in dtypes:
             points_of = {"prefill": prefill_points, "relay": relay_points}.get(grid)
             points = points_of(dtype, quick) if points_of else grid_points(grid, dtype, quick)
+            if head_size != DEFAULT_HEAD_SIZE and grid != "serve" and not quick:
+                points = [dataclasses.replace(p, head_dim=head_size) for p in points]
             if windows != (0,) or sinks:
                 points = [dataclasses.replace(p, window=w, sinks=sinks) for p in points for w in windows]
             planned += [PlannedPoint(grid, p) for p in points]
@@ -1120,6 +1124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", default="all", choices=GRIDS + ["all"])
     parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "fp16", "both"])
+    parser.add_argument("--head-size", type=int, default=DEFAULT_HEAD_SIZE, choices=CPU.head_sizes,
+                        help="head size of every grid but serve (the paper's: 128)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CI smoke run")
@@ -1194,7 +1200,7 @@ def main(argv: list[str] | None = None) -> int:
               f"machine, timings will be noisy", flush=True)
 
     flush = None if args.warm else CacheFlusher(machine_record)
-    planned = plan(grids, dtypes, args.quick, args.sliding_window, args.sinks)
+    planned = plan(grids, dtypes, args.quick, args.sliding_window, args.sinks, args.head_size)
     progress = Progress([point_roofline(p.point, rates, True, machine_record, unshared=True).bound_ms
                          for p in planned])
     rng = np.random.default_rng(0)
