@@ -832,7 +832,7 @@ def relay_table(rows: list[dict]) -> list[str]:
               f"rows per KV head and request (q x GQA group; measured: "
               f"{', '.join(f'{n}: ' + ('yes' if ok else 'no') for n, ok in sorted(wins.items()))}). The engine "
               f"sends a request to the tree path when q x group is at most what it measured at start for the "
-              f"layer shape (kernels/cpu_tuning.py, tree_max_rows_per_kv_head): "
+              f"layer shape (kernels/tree_reach.py, tree_max_rows_per_kv_head): "
               f"{'; '.join(f'{shape.describe()}: {t.tree_max_rows_per_kv_head}' for shape, t in reach.items())}; "
               f"\"engine's path\" is that choice."]
     return lines

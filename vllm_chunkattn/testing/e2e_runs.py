@@ -53,7 +53,7 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
     if num_blocks and workload not in WORKLOAD_ENGINE_SETTINGS:
         cmd += ["--num-blocks", str(num_blocks)]
     # Built-in CPU tuning: the tests assert which rows took the tree path, and
-    # the reach the engine would measure (kernels/cpu_tuning.py) is the CPU's.
+    # the reach the engine would measure (kernels/tree_reach.py) is the CPU's.
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", cpu_tuning.ENV_VAR: "default"}
     # One rank: the engine in the driver's process (the same engine code without
     # the engine-core process and its IPC), which starts in 4 s instead of 17.
