@@ -32,7 +32,13 @@ def _rank(rank: int, world: int, port: int, tp: int, pp: int, measured: list[int
                                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  backend="gloo")
-        results.put((rank, _same_on_every_rank(measured[rank], BUILT_IN)))
+        timed = []
+
+        def measure() -> int:
+            timed.append(rank)
+            return measured[rank]
+
+        results.put((rank, _same_on_every_rank(measure, BUILT_IN), timed))
         parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
 
@@ -50,17 +56,19 @@ def test_ranks_that_measured_differently_agree(tp, pp, expected):
     for p in ranks:
         p.start()
     try:
-        agreed = dict(results.get(timeout=240) for _ in ranks)
+        reports = [results.get(timeout=240) for _ in ranks]
     finally:
         for p in ranks:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    assert agreed == {0: expected, 1: expected}
+    assert {rank: value for rank, value, _ in reports} == {0: expected, 1: expected}
+    # Under pipeline parallelism nothing is measured: its result would be thrown away.
+    assert {rank: timed for rank, _, timed in reports} == ({0: [0], 1: [1]} if pp == 1 else {0: [], 1: []})
     assert all(p.exitcode == 0 for p in ranks)
 
 
 def test_a_single_process_keeps_its_measurement():
     from vllm_chunkattn.backend.builder import _same_on_every_rank
 
-    assert _same_on_every_rank(8, BUILT_IN) == 8
+    assert _same_on_every_rank(lambda: 8, BUILT_IN) == 8

@@ -14,6 +14,7 @@ those batches run under vLLM's full CUDA graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,21 +140,22 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
                 BACKEND_NAME,
             )
         group = self.decode_shape.group
-        if device_tree is not None:
-            # The longest query worth stacking in the tree, timed on this GPU
-            # for this shape (about a second; logged once).
-            max_query_len = tree_max_query_len(tree_reach.cuda_reach(self.decode_shape, device), group)
-        elif on_cuda:
-            max_query_len = support.tree_max_query_len(group)
-        else:
+        built_in = support.tree_max_query_len(group)
+        if not on_cuda:
             # The CPU kernels' tile parameters for this shape on this CPU, and
             # the longest query worth stacking in the tree: from the tuning
             # cache, else measured now (seconds; logged once).
-            max_query_len = cpu_tuning.ensure_tuned(self.decode_shape).tree_max_query_len(group)
+            tuned = cpu_tuning.ensure_tuned(self.decode_shape)
+            measure = lambda: tuned.tree_max_query_len(group)  # noqa: E731
+        elif device_tree is not None:
+            # Timed on this GPU for this shape (about a second; logged once).
+            measure = lambda: tree_max_query_len(tree_reach.cuda_reach(self.decode_shape, device), group)  # noqa: E731
+        else:
+            measure = lambda: built_in  # noqa: E731
         # The threshold orders each worker's batch (decodes first), and the
         # ranks of a tensor- or pipeline-parallel model exchange activations
-        # row by row, so all of them must order alike; each timed its own.
-        max_query_len = _same_on_every_rank(max_query_len, support.tree_max_query_len(group))
+        # row by row, so all of them must order alike; each would time its own.
+        max_query_len = _same_on_every_rank(measure, built_in)
         # Requests with at most max_query_len new tokens are "decodes" to
         # vLLM's batch reordering and take the tree path. Speculative
         # decoding's rows of 1 + k tokens take it too (vLLM raises the
@@ -213,21 +215,22 @@ class ChunkAttentionMetadataBuilder(AttentionMetadataBuilder[ChunkAttentionMetad
         )
 
 
-def _same_on_every_rank(measured: int, built_in: int) -> int:
+def _same_on_every_rank(measure: Callable[[], int], built_in: int) -> int:
     """A value every rank that runs this model's layers on the same batch agrees on: the smallest
-    `measured` of the tensor-parallel ranks, or `built_in` under pipeline parallelism, whose stages may
-    build different numbers of metadata builders (a hybrid model's layer kinds split unevenly), so that a
-    collective per builder could wait forever. `measured` itself in a single process."""
+    `measure()` of the tensor-parallel ranks, or `built_in` under pipeline parallelism (not measured
+    there), whose stages may build different numbers of metadata builders (a hybrid model's layer kinds
+    split unevenly), so that a collective per builder could wait forever. `measure()` itself in a single
+    process."""
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return measured
+        return measure()
     if parallel_state.get_pp_group().world_size > 1:
         return built_in
     tp = parallel_state.get_tp_group()
     if tp.world_size == 1:
-        return measured
-    smallest = torch.tensor([measured], dtype=torch.int64)
+        return measure()
+    smallest = torch.tensor([measure()], dtype=torch.int64)
     torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN, group=tp.cpu_group)
     return int(smallest.item())
 
