@@ -64,3 +64,35 @@ def test_arguments_are_validated():
     with pytest.raises(SystemExit):
         sp.parse_args(["--decode-steps", "0"])
     assert sp.parse_args([]).model_name == "bench-gqa"
+
+
+def test_several_prefixes_are_each_read_once_in_the_roofline():
+    from vllm_chunkattn.bench.machine import MachineRates
+
+    # Rates that make every bound a memory bound: 1 GB/s, a huge peak.
+    rates = [MachineRates(1, 1.0, (1.0,), {"avx2_fma": 1e9}, {"avx2_fma": 1e9})]
+    spec = {"num_key_value_heads": 4, "head_dim": 128, "num_attention_heads": 16, "num_hidden_layers": 4}
+    one = sp.attention_roofline_ms(sp.parse_args(["--prefixes", "1", "--decode-steps", "2"]), spec, rates)
+    four = sp.attention_roofline_ms(sp.parse_args(["--prefixes", "4", "--decode-steps", "2"]), spec, rates)
+    per_prefix_ms = 2048 * 4 * 128 * 2 * 4 * 4 / 1e9 * 1e3  # tokens x K/V bytes per token x layers at 1 GB/s
+    assert four - one == pytest.approx(3 * per_prefix_ms)
+
+
+def test_prefixes_and_threads_are_validated(monkeypatch):
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--prefixes", "0"])
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--batch", "4", "--prefixes", "8"])
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--threads", "0"])
+    assert sp.parse_args(["--threads", "3"]).threads == 3
+
+
+def test_default_threads_are_those_vllm_serve_gives_its_worker(monkeypatch):
+    monkeypatch.setattr(sp.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert sp.serve_worker_threads() == 3
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "2")
+    assert sp.serve_worker_threads() == 2
+    monkeypatch.setattr(sp.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert sp.serve_worker_threads() == 1

@@ -4,9 +4,10 @@ For each backend a child process runs one in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch.profiler sees the model runner)
 on a generated model (default bench-gqa), float32, blocks of 64:
 
-    a prefix of --shared tokens is cached first (one request alone), then
-    --batch requests with that prefix and --private own tokens each arrive
-    together; two phases are profiled:
+    --prefixes distinct prefixes of --shared tokens are cached first (each
+    by one request alone), then --batch requests arrive together, request i
+    behind prefix i mod --prefixes with --private own tokens; two phases are
+    profiled:
       burst   the requests' prefill (max_tokens=1): the TTFT of a burst
       decode  the same kind of burst generating 1 + --decode-steps tokens,
               minus a burst profile: the decode steps alone, per step
@@ -21,14 +22,20 @@ Components, from the profiler's CPU times (the engine's thread):
     rest       the phase's wall time outside all of the above: scheduling,
                input preparation, output processing, Python
 
+The engine runs on --threads threads. The default is what `vllm serve` gives
+its CPU worker: the usable cores less the one it reserves for its scheduler
+(VLLM_CPU_NUM_OF_RESERVED_CPU), so on a 2-core machine one. The serving
+benchmark's steps are then the profiled ones: e.g. its prefix_repetition-2048
+is `--prefixes 4 --shared 2048 --private 32`.
+
 Two limits for chunk's decode step against stock's:
     attention free   stock / (chunk - chunk's attention)
     at roofline      stock / (chunk - chunk's attention + the roofline of the
-                     step's attention: distinct KV bytes, the shared prefix
-                     once, over the measured read bandwidth, or flops over the
-                     measured peak, whichever is longer)
+                     step's attention: distinct KV bytes, each prefix once,
+                     over the read bandwidth, or flops over the peak, both
+                     measured on --threads threads, whichever is longer)
 
-    python -m vllm_chunkattn.bench.step_profile [--model-name bench] [--out DIR]
+    python -m vllm_chunkattn.bench.step_profile [--model-name bench] [--prefixes 4] [--out DIR]
 """
 
 from __future__ import annotations
@@ -106,6 +113,8 @@ def child(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     import torch
+
+    torch.set_num_threads(args.threads)  # before vLLM's CPU worker forbids it
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -126,12 +135,14 @@ def child(args: argparse.Namespace) -> dict:
         engine["attention_backend"] = "chunk"
     llm = LLM(**engine)
     vocab = llm.get_tokenizer().vocab_size
-    prefix = torch.randint(4, vocab, (args.shared,), generator=torch.Generator().manual_seed(1)).tolist()
+    prefixes = [torch.randint(4, vocab, (args.shared,), generator=torch.Generator().manual_seed(1 + p)).tolist()
+                for p in range(args.prefixes)]
 
     def burst(seed: int) -> list:
         g = torch.Generator().manual_seed(seed)
-        return [TokensPrompt(prompt_token_ids=prefix + torch.randint(4, vocab, (args.private,), generator=g).tolist())
-                for _ in range(args.batch)]
+        return [TokensPrompt(prompt_token_ids=prefixes[i % args.prefixes]
+                             + torch.randint(4, vocab, (args.private,), generator=g).tolist())
+                for i in range(args.batch)]
 
     def run(seed: int, max_tokens: int, profiled: bool) -> tuple[float, dict[str, float] | None]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -146,7 +157,8 @@ def child(args: argparse.Namespace) -> dict:
             wall = (time.perf_counter() - start) * 1e3
         return wall, breakdown(prof.events(), wall)
 
-    llm.generate([TokensPrompt(prompt_token_ids=prefix)], SamplingParams(max_tokens=1), use_tqdm=False)
+    for prefix in prefixes:  # each cached before any request behind it arrives
+        llm.generate([TokensPrompt(prompt_token_ids=prefix)], SamplingParams(max_tokens=1), use_tqdm=False)
     run(100, 1 + args.decode_steps, False)  # warm-up
     burst_wall = [run(200 + i, 1, False)[0] for i in range(args.repeats)]
     decode_wall = [run(300 + i, 1 + args.decode_steps, False)[0] for i in range(args.repeats)]
@@ -154,7 +166,7 @@ def child(args: argparse.Namespace) -> dict:
     _, with_decode_ms = run(401, 1 + args.decode_steps, True)
     decode_ms = {k: (with_decode_ms[k] - burst_ms[k]) / args.decode_steps for k in COMPONENTS}
     spec = SPECS[args.model_name]
-    return {"backend": args.child, "model": args.model_name, "spec": spec,
+    return {"backend": args.child, "model": args.model_name, "spec": spec, "engine_threads": torch.get_num_threads(),
             "burst_wall_ms": burst_wall, "burst_ms": burst_ms,
             "decode_step_wall_ms": [(d - b) / args.decode_steps for d, b in zip(decode_wall, burst_wall)],
             "decode_step_ms": decode_ms}
@@ -172,12 +184,13 @@ def combine(rounds: list[dict]) -> dict:
 
 
 def attention_roofline_ms(args: argparse.Namespace, spec: dict, rates: list) -> float:
-    """The roofline of one decode step's attention over all layers, the shared prefix read once."""
+    """The roofline of one decode step's attention over all layers, each prefix read once."""
     from vllm_chunkattn.bench import machine
 
     context = args.shared + args.private + args.decode_steps // 2  # the decode steps' mean context
     per_token = spec["num_key_value_heads"] * spec["head_dim"] * 2 * 4  # K and V, float32
-    nbytes = (args.shared + args.batch * (context - args.shared)) * per_token * spec["num_hidden_layers"]
+    distinct_tokens = args.prefixes * args.shared + args.batch * (context - args.shared)
+    nbytes = distinct_tokens * per_token * spec["num_hidden_layers"]
     flops = 4 * args.batch * spec["num_attention_heads"] * spec["head_dim"] * context * spec["num_hidden_layers"]
     return machine.roofline(nbytes, flops, "fp32", rates).bound_ms
 
@@ -190,8 +203,11 @@ def _median(xs: list[float]) -> float:
 def report(args: argparse.Namespace, results: dict[str, dict], roofline_ms: float, machine_record: dict) -> str:
     from vllm_chunkattn.bench import machine
 
-    lines = [f"# Step profile: {args.model_name}, {args.batch} requests behind a cached {args.shared}-token prefix, "
-             f"{args.private} own tokens each, float32, blocks of 64", "",
+    behind = (f"a cached {args.shared}-token prefix" if args.prefixes == 1
+              else f"{args.prefixes} cached {args.shared}-token prefixes")
+    lines = [f"# Step profile: {args.model_name}, {args.batch} requests behind {behind}, "
+             f"{args.private} own tokens each, float32, blocks of 64, the engine on {args.threads} "
+             f"thread{'s' if args.threads > 1 else ''}", "",
              machine.describe_line(machine_record), "", machine.IDENTITY_LINE.format(machine_record["cpu_identity"]),
              "", f"Command: `python -m vllm_chunkattn.bench.step_profile {' '.join(sys.argv[1:])}`", ""]
     for phase, key, wall_key in (("burst (prefill of all requests: TTFT)", "burst_ms", "burst_wall_ms"),
@@ -224,21 +240,36 @@ def report(args: argparse.Namespace, results: dict[str, dict], roofline_ms: floa
     return "\n".join(lines)
 
 
+def serve_worker_threads() -> int:
+    """The OpenMP threads `vllm serve`'s CPU worker runs with here: vLLM binds it to the usable cores less
+    those it reserves for the scheduler process (vllm/utils/ompmultiprocessing.py: one on x86 for one worker)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
+    return max(1, usable - reserved)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-name", default="bench-gqa", help="generated model (vllm_chunkattn/testing/models.py)")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--shared", type=int, default=2048, help="tokens of the cached prefix all requests share")
+    ap.add_argument("--shared", type=int, default=2048, help="tokens of each cached prefix")
+    ap.add_argument("--prefixes", type=int, default=1, help="distinct cached prefixes; request i is behind prefix "
+                    "i mod PREFIXES (the serving benchmark's prefix_repetition workloads have 4)")
     ap.add_argument("--private", type=int, default=64, help="each request's own prompt tokens")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="unprofiled timings per phase")
     ap.add_argument("--rounds", type=int, default=2, help="engine runs per backend, alternating which goes first")
+    ap.add_argument("--threads", type=int, default=serve_worker_threads(),
+                    help="the engine's threads (default: as many as `vllm serve` gives its CPU worker here, "
+                    f"{serve_worker_threads()})")
     ap.add_argument("--out", type=Path, default=Path("results/step-profile"))
     ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for name in ("batch", "shared", "private", "decode_steps", "repeats", "rounds"):
+    for name in ("batch", "shared", "prefixes", "private", "decode_steps", "repeats", "rounds", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefixes > args.batch:
+        ap.error(f"--prefixes {args.prefixes} is more than --batch {args.batch}: a prefix without requests")
     return args
 
 
@@ -252,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     machine_record = machine.describe_machine()
-    import torch
-
-    rates = [machine.measure_rates(torch.get_num_threads(), machine_record)]
+    rates = [machine.measure_rates(args.threads, machine_record)]
     rounds: dict[str, list[dict]] = {b: [] for b in BACKENDS}
     for r in range(args.rounds):
         # Alternate which backend goes first: the VM's speed drifts over minutes.
@@ -269,9 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                 tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
                 print(f"[{backend}] FAILED (exit {done.returncode}):\n{tail}", file=sys.stderr)
                 return 1
-            rounds[backend].append(json.loads(found[0].removeprefix("STEP_PROFILE_RESULT ")))
+            result = json.loads(found[0].removeprefix("STEP_PROFILE_RESULT "))
+            if result["engine_threads"] != args.threads:
+                print(f"[{backend}] FAILED: the engine ran on {result['engine_threads']} threads, not --threads "
+                      f"{args.threads}", file=sys.stderr)
+                return 1
+            rounds[backend].append(result)
     results = {b: combine(rs) for b, rs in rounds.items()}
-    rates.append(machine.measure_rates(torch.get_num_threads(), machine_record))
+    rates.append(machine.measure_rates(args.threads, machine_record))
     roof = attention_roofline_ms(args, SPECS[args.model_name], rates)
     text = report(args, results, roof, machine_record)
     (args.out / "table.md").write_text(text + "\n")
