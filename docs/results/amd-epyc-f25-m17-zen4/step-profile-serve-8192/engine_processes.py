@@ -1,7 +1,9 @@
 """Decode-step wall time of the step profile's 4 x 8192 batches, unprofiled, with the engine in its own processes
-(as `vllm serve` runs it: MULTIPROCESSING=1) or in-process (0, one thread).
+(as `vllm serve` runs it: MULTIPROCESSING=1) or in-process (0, one thread), and the requests in a given order:
+ORDER=mod (request i behind prefix i mod 4, the default), grouped (i // 8), or an integer (grouped, then
+random.shuffle'd with that seed, as vllm bench serve's prefix_repetition dataset orders its requests).
 
-    python engine_processes.py chunk|stock 1|0 8192   (MML=10240: vLLM serve's --max-model-len of the serving runs)
+    [ORDER=mod] [MML=10240] python engine_processes.py chunk|stock 1|0 8192   (MML: vLLM serve's --max-model-len of the serving runs)
 """
 import json, os, statistics, sys, time
 
@@ -24,9 +26,19 @@ def main():
     prefixes = [torch.randint(4, vocab, (shared,), generator=torch.Generator().manual_seed(1 + p)).tolist() for p in range(4)]
     for p in prefixes:
         llm.generate([TokensPrompt(prompt_token_ids=p)], SamplingParams(max_tokens=1), use_tqdm=False)
+    order = os.environ.get("ORDER", "mod")
+    if order == "mod":
+        owner = [i % 4 for i in range(32)]
+    elif order == "grouped":
+        owner = [i // 8 for i in range(32)]
+    else:  # shuffled like vllm bench serve's prefix_repetition (random.shuffle of prefix-grouped requests)
+        import random
+        owner = [i // 8 for i in range(32)]
+        random.Random(int(order)).shuffle(owner)
+    print("ORDER", order, owner, flush=True)
     def run(seed, n):
         g = torch.Generator().manual_seed(seed)
-        prompts = [TokensPrompt(prompt_token_ids=prefixes[i % 4] + torch.randint(4, vocab, (32,), generator=g).tolist()) for i in range(32)]
+        prompts = [TokensPrompt(prompt_token_ids=prefixes[owner[i]] + torch.randint(4, vocab, (32,), generator=g).tolist()) for i in range(32)]
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
         return (time.perf_counter() - t) * 1e3
@@ -34,7 +46,7 @@ def main():
     b = [run(10 + i, 1) for i in range(3)]
     d = [run(20 + i, 33) for i in range(3)]
     step = (statistics.median(d) - statistics.median(b)) / 32
-    print("MPSTEP " + json.dumps(dict(backend=backend, mp=mp, shared=shared, burst=b, with_decode=d, step_ms=step)), flush=True)
+    print("MPSTEP " + json.dumps(dict(backend=backend, mp=mp, shared=shared, burst=b, with_decode=d, step_ms=step, order=order)), flush=True)
 
 if __name__ == "__main__":
     main()
