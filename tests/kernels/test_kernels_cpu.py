@@ -385,6 +385,21 @@ def test_tpp_decode_one_big_shared_node(isa, threads, num_kv_heads, group):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [3, 5, 6, 7, 9, 10])
+def test_tpp_decode_shared_node_of_every_lane_tail(isa, dtype, batch):
+    """A shared node of batch x 4 rows: on AVX-512 the last lane vector runs at half width when at most 8 of its
+    16 lanes are rows (20 and 24 rows: the second of a pair; 36 and 40: a lone last vector), at full width
+    otherwise (12, 28); every row as the reference has it."""
+    case = _one_big_node(batch=batch, num_kv_heads=2, group=4, chunks=5, dtype=dtype)
+    ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
+    assert ctx.num_nodes == 1
+    ref = _decode_reference(case)
+    assert_on_isa(isa, lambda out: ops.tpp_decode(case["query"], case["kv_cache"], _plan(case, ctx), case["scale"], out),
+                  case["query"], 0, ref, case["dtype"], f"tpp_decode, {4 * batch} rows per KV head")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("decode_qk_inline", [0, 1])
 def test_tpp_decode_bf16_node_with_either_qk_block(isa, decode_qk_inline):
     """Both builds of decode's bf16 matrix-matrix tile (the Q.K register block

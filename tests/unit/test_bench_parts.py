@@ -310,3 +310,12 @@ def test_offline_batch_reports_no_speed_when_outputs_differ(monkeypatch, tmp_pat
     assert code == 1
     assert not (tmp_path / "out" / "table.md").exists()
     assert "no speed is reported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--repeats", "-1"), ("--greedy-prompts", "0"), ("--greedy-tokens", "-1")])
+def test_serve_refuses_counts_below_one_with_a_message(flag, value, capsys):
+    from vllm_chunkattn.bench import serve
+
+    with pytest.raises(SystemExit):
+        serve.parse_args([flag, value])
+    assert f"{flag}" in capsys.readouterr().err

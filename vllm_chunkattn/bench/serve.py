@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (4096 if args.quick else 10240)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.greedy_prompts < 1 or args.greedy_tokens < 1:
+        ap.error("--greedy-prompts and --greedy-tokens must be at least 1: the greedy check is how the benchmark "
+                 "shows both servers give the same answers")
     args.model_name = args.model_name or ("tiny" if args.quick else "bench-gqa")
     args.metrics_interval = args.metrics_interval or (0.05 if args.quick else 0.5)
     args.rates = [] if args.quick else [float(r) for r in args.request_rates.split(",") if r.strip()]
