@@ -3,7 +3,9 @@
 ORDER=mod (request i behind prefix i mod 4, the default), grouped (i // 8), or an integer (grouped, then
 random.shuffle'd with that seed, as vllm bench serve's prefix_repetition dataset orders its requests).
 
-    [ORDER=mod] [MML=10240] python engine_processes.py chunk|stock 1|0 8192   (MML: vLLM serve's --max-model-len of the serving runs)
+    [ORDER=mod] [MML=10240] [NTOK=33] python engine_processes.py chunk|stock 1|0 8192
+(MML: vLLM serve's --max-model-len of the serving runs; NTOK: output tokens of the timed runs, 129 for the
+serving runs' 128 decode steps)
 """
 import json, os, statistics, sys, time
 
@@ -43,9 +45,10 @@ def main():
         llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
         return (time.perf_counter() - t) * 1e3
     run(1, 33)
+    N = int(os.environ.get("NTOK", 33))
     b = [run(10 + i, 1) for i in range(3)]
-    d = [run(20 + i, 33) for i in range(3)]
-    step = (statistics.median(d) - statistics.median(b)) / 32
+    d = [run(20 + i, N) for i in range(3)]
+    step = (statistics.median(d) - statistics.median(b)) / (N - 1)
     print("MPSTEP " + json.dumps(dict(backend=backend, mp=mp, shared=shared, burst=b, with_decode=d, step_ms=step, order=order)), flush=True)
 
 if __name__ == "__main__":
