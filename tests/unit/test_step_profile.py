@@ -100,7 +100,7 @@ def test_default_threads_are_those_vllm_serve_gives_its_worker(monkeypatch):
 
 @pytest.mark.parametrize("batch,prefixes", [(32, 4), (30, 4), (5, 5), (7, 1)])
 def test_every_order_gives_each_prefix_the_same_requests(batch, prefixes):
-    orders = {order: sp.prefix_owners(batch, prefixes, order, seed=3) for order in sp.ORDERS}
+    orders = {order: sp.prefix_owners(batch, prefixes, order, seed=3) for order in sp.ORDERS if order != "serving"}
     for owners in orders.values():
         assert len(owners) == batch
         assert sorted(owners) == orders["grouped"]
@@ -115,6 +115,17 @@ def test_the_shuffled_order_is_a_seeded_permutation_as_the_serving_benchmark_sen
     assert first not in (sp.prefix_owners(32, 4, "grouped"), sp.prefix_owners(32, 4, "interleaved"))
     with pytest.raises(ValueError, match="shuffled"):
         sp.prefix_owners(32, 4, "sorted")
+
+
+def test_the_serving_order_is_the_first_wave_vllm_bench_serve_sends():
+    """vllm bench serve --num-prompts 64 --max-concurrency 32 --seed 0 on 4 prefixes (its prefix_repetition
+    dataset, checked against vLLM's own class on 2026-11-26): 10/7/8/7 requests in the first wave."""
+    owners = sp.prefix_owners(32, 4, "serving", seed=0)
+    assert len(owners) == 32 and owners[:8] == [1, 1, 1, 2, 2, 3, 1, 2]
+    assert [owners.count(p) for p in range(4)] == [10, 7, 8, 7]
+    assert owners != sp.prefix_owners(32, 4, "serving", seed=1)
+    assert sp.describe_order(sp.parse_args(["--prefixes", "4", "--order", "serving"])).startswith(
+        "serving order, seed 0: 1 1 1 2 2 3 1 2")
 
 
 def test_the_order_defaults_to_the_serving_benchmarks_and_is_named_in_the_report():
