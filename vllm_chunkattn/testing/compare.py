@@ -39,3 +39,20 @@ def compare_runs(stock: dict, chunk: dict, logprob_atol: float, near_tie: float)
 def _top2_gap(step) -> float:
     lps = sorted((lp for _, lp in step), reverse=True)
     return lps[0] - lps[1] if len(lps) > 1 else float("inf")
+
+
+def deviation_from(reference: dict, run: dict) -> dict:
+    """How far a low-precision run strays from a float32 run of the same workload (the referee when two
+    low-precision runs disagree: each rounds differently, and which is right only the reference says):
+    its tokens equal to the reference's before their first difference, and the mean absolute difference
+    of the top logprobs both have, over those steps and the first differing one."""
+    agreeing, diffs = 0, []
+    for ref, res in zip(reference["results"], run["results"], strict=True):
+        same = 0
+        while same < min(len(ref["tokens"]), len(res["tokens"])) and ref["tokens"][same] == res["tokens"][same]:
+            same += 1
+        agreeing += same
+        for pos in range(min(same + 1, len(ref["tokens"]), len(res["tokens"]))):
+            top_ref, top_run = dict(map(tuple, ref["top_logprobs"][pos])), dict(map(tuple, res["top_logprobs"][pos]))
+            diffs += [abs(top_ref[tok] - top_run[tok]) for tok in set(top_ref) & set(top_run)]
+    return {"agreeing_tokens": agreeing, "mean_logprob_diff": sum(diffs) / max(1, len(diffs))}

@@ -21,6 +21,13 @@ CONFIGS = {
     "bfloat16-gqa-d128-block64": ("tiny-d128", "bfloat16", 64, None, 0.15, 0.15),
     "float16-mha-d64-block128": ("tiny-mha", "float16", 128, None, 0.05, 0.05),
 }
+# The float32 referee of each low-precision configuration (test_e2e.py): the same model and cache.
+REFEREE_CONFIGS = {
+    "float32-gqa-d128-block64": ("tiny-d128", "float32", 64, None, 1e-3, 0.0),
+    "float32-mha-d64-block128": ("tiny-mha", "float32", 128, None, 1e-3, 0.0),
+}
+REFEREE_OF = {"bfloat16-gqa-d128-block64": "float32-gqa-d128-block64",
+              "float16-mha-d64-block128": "float32-mha-d64-block128"}
 # The speculative-decoding test's: tiny with tied embeddings, whose greedy output
 # repeats at times, so that n-gram drafts get accepted as well as rejected.
 SPECULATIVE_CONFIGS = {
@@ -41,7 +48,8 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
                  pensieve: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
     """`pensieve`: run with the PensieveConnector under this eviction policy;
     `extra_args`: more options of `python -m vllm_chunkattn.testing.workload`."""
-    model, dtype, block_size, num_blocks, _, _ = {**CONFIGS, **VARIANT_CONFIGS, **SPECULATIVE_CONFIGS}[name]
+    model, dtype, block_size, num_blocks, _, _ = {**CONFIGS, **VARIANT_CONFIGS, **SPECULATIVE_CONFIGS,
+                                                 **REFEREE_CONFIGS}[name]
     out = tmp_path_factory.mktemp(name) / f"{workload}-{backend}-{pensieve or 'no-connector'}.json"
     cmd = [sys.executable, "-m", "vllm_chunkattn.testing.workload", "--workload", workload, "--model-name", model,
            "--backend", backend, "--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
