@@ -20,8 +20,7 @@ def compare_runs(stock: dict, chunk: dict, logprob_atol: float, near_tie: float)
     problems = []
     for i, (a, b) in enumerate(zip(stock["results"], chunk["results"], strict=True)):
         for pos, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"], strict=True)):
-            top_a = dict((tok, lp) for tok, lp in a["top_logprobs"][pos])
-            top_b = dict((tok, lp) for tok, lp in b["top_logprobs"][pos])
+            top_a, top_b = _top_logprobs(a, pos), _top_logprobs(b, pos)
             for tok in set(top_a) & set(top_b):
                 worst = max(worst, abs(top_a[tok] - top_b[tok]))
                 if abs(top_a[tok] - top_b[tok]) > logprob_atol:
@@ -34,6 +33,11 @@ def compare_runs(stock: dict, chunk: dict, logprob_atol: float, near_tie: float)
                 diverged += 1
                 break
     return {"compared_steps": compared, "diverged_requests": diverged, "worst_logprob_diff": worst, "problems": problems}
+
+
+def _top_logprobs(result: dict, pos: int) -> dict[int, float]:
+    """A request's top logprobs at step `pos`, by token."""
+    return {tok: lp for tok, lp in result["top_logprobs"][pos]}
 
 
 def _top2_gap(step) -> float:
@@ -53,6 +57,6 @@ def deviation_from(reference: dict, run: dict) -> dict:
             same += 1
         agreeing += same
         for pos in range(min(same + 1, len(ref["tokens"]), len(res["tokens"]))):
-            top_ref, top_run = dict(map(tuple, ref["top_logprobs"][pos])), dict(map(tuple, res["top_logprobs"][pos]))
+            top_ref, top_run = _top_logprobs(ref, pos), _top_logprobs(res, pos)
             diffs += [abs(top_ref[tok] - top_run[tok]) for tok in set(top_ref) & set(top_run)]
     return {"agreeing_tokens": agreeing, "mean_logprob_diff": sum(diffs) / max(1, len(diffs))}

@@ -22,12 +22,9 @@ CONFIGS = {
     "float16-mha-d64-block128": ("tiny-mha", "float16", 128, None, 0.05, 0.05),
 }
 # The float32 referee of each low-precision configuration (test_e2e.py): the same model and cache.
-REFEREE_CONFIGS = {
-    "float32-gqa-d128-block64": ("tiny-d128", "float32", 64, None, 1e-3, 0.0),
-    "float32-mha-d64-block128": ("tiny-mha", "float32", 128, None, 1e-3, 0.0),
-}
-REFEREE_OF = {"bfloat16-gqa-d128-block64": "float32-gqa-d128-block64",
-              "float16-mha-d64-block128": "float32-mha-d64-block128"}
+REFEREE_OF = {name: "float32-" + name.split("-", 1)[1] for name, config in CONFIGS.items() if config[1] != "float32"}
+REFEREE_CONFIGS = {REFEREE_OF[name]: (model, "float32", block_size, num_blocks, 1e-3, 0.0)
+                   for name, (model, _, block_size, num_blocks, _, _) in CONFIGS.items() if name in REFEREE_OF}
 # The speculative-decoding test's: tiny with tied embeddings, whose greedy output
 # repeats at times, so that n-gram drafts get accepted as well as rejected.
 SPECULATIVE_CONFIGS = {
