@@ -51,15 +51,18 @@ def test_the_reach_stops_at_the_first_loss(monkeypatch, device, gains, reach):
     assert measured == {str(SMALL.group * q): g for q, g in zip(timed, gains)}
 
 
-def test_the_cuda_probe_is_the_relay_grids_shape():
-    """On a GPU the crossover depends on how many blocks fill the SMs, so the probe is the batch the
-    relay grid measured (bench/kernel_gpu.py): 32 requests, 2048 shared and 128 private tokens."""
-    from vllm_chunkattn.bench import kernel_gpu
+def test_both_probes_are_the_relay_grids_shape():
+    """The tree path's gain grows with the requests that share a chunk, so the reach is timed on the batch
+    the relay grids measure (bench/kernel.py on CPU, bench/kernel_gpu.py on CUDA): 32 requests, 2048 shared
+    and 128 private tokens. A tuning cached for another probe is not reused."""
+    from vllm_chunkattn.bench import kernel, kernel_gpu
+    from vllm_chunkattn.kernels import cpu_tuning
 
-    probe = tree_reach.CUDA_PROBE
-    for point in kernel_gpu.grid_points(["relay"]):
-        private = point.context - point.shared - point.query_len  # the tokens before the new ones, unshared
-        assert (probe.requests, probe.shared_tokens, probe.private_tokens) == (point.batch, point.shared, private)
+    gpu_points = [(p.batch, p.shared, p.context - p.shared - p.query_len) for p in kernel_gpu.grid_points(["relay"])]
+    cpu_points = [(p.requests, p.shared, p.context - p.shared - p.new) for p in kernel.relay_points("fp32", False)]
+    for probe, points in ((tree_reach.CUDA_PROBE, gpu_points), (tree_reach.CPU_PROBE, cpu_points)):
+        assert points and set(points) == {(probe.requests, probe.shared_tokens, probe.private_tokens)}
+    assert cpu_tuning.tuning_key(SMALL)["reach_probe"]["shared_tokens"] == 2048
 
 
 @pytest.fixture

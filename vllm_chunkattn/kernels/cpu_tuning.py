@@ -20,11 +20,11 @@ measured too, with the tiles chosen, as `ShapeTuning.tree_max_rows_per_kv_head`
 `ensure_tuned(shape)` runs once per process and layer shape, at engine start
 (the metadata builder calls it). It reads the values from a cache file
 keyed by the CPU (`cpu_info.cpu_description()`), the kernel build (a hash of
-the compiled library) and the shape; without one, it measures: coordinate
+the compiled library), the shape and the reach probe's batch; without one, it measures: coordinate
 descent over `CANDIDATES`, each parameter timed on the synthetic workloads it
 affects (`WORKLOADS`), candidates interleaved in rotating order, a change kept
 only if it beats the current value by `MIN_GAIN`; then, with those tiles, the
-tree path's reach. That takes a few seconds;
+tree path's reach. That takes seconds (10 to 30 on a 2-core Zen 3);
 the result goes to the cache file and into the kernels, and is logged once.
 A cache file that cannot be read or does not match is measured again; the
 values change speed only, never results.
@@ -137,9 +137,11 @@ def kernel_build() -> str:
 
 
 def tuning_key(shape: DecodeShape) -> dict:
-    """What a cached tuning is valid for: this CPU, this kernel build and ISA, this layer shape, this many threads."""
+    """What a cached tuning is valid for: this CPU, this kernel build and ISA, this layer shape, this many threads,
+    the batch the tree path's reach is timed on."""
     return {
         "version": CACHE_VERSION,
+        "reach_probe": dataclasses.asdict(tree_reach.CPU_PROBE),
         "cpu": cpu_description(),
         "isa": str(torch.ops.chunkattn.cpu_isa()),
         "kernel_build": kernel_build(),

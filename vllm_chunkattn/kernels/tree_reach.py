@@ -10,23 +10,23 @@ the layer shape: the relay grids put it at 16 rows per KV head on a Zen 5, 8
 on a Zen 4, and on an H200 at 8 with MHA but 16 with GQA 4.
 
 So the engine measures it at start, per layer shape: both paths timed on the
-same synthetic batch (`Probe`: requests behind a shared prefix, each with a
-few private tokens and q new ones), q = 2, 4, 8, ... while q x group is at
+same synthetic batch (`Probe`: the relay grid's 32 requests behind a shared
+prefix of 2048 tokens, each with 128 private tokens and q new ones), q = 2, 4, 8, ... while q x group is at
 most `Probe.max_rows_per_kv_head`; the reach is the last q x group up to which
 the tree path was at least as fast every time. The tree path is planned by the
 engine's own StepPlanner, with the platform's rule for a request's own node.
-On CPU this runs inside the tile tuning (kernels/cpu_tuning.py, cached on
-disk); on CUDA it takes about a second per shape and is measured in every
+On CPU this runs inside the tile tuning (kernels/cpu_tuning.py, 1 to 10 s per
+shape, cached on disk); on CUDA it takes about a second per shape and is measured in every
 process (`cuda_reach`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -36,9 +36,9 @@ from vllm_chunkattn.prefix.plan import DecodeShape
 logger = logging.getLogger("vllm.chunkattn.kernels")  # in vLLM's hierarchy, see plugin.py
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Probe:
-    """The synthetic batch the reach is timed on (the kernel benchmark's relay grid, or a scaled-down copy)."""
+    """The synthetic batch the reach is timed on: the kernel benchmarks' relay grid."""
 
     requests: int
     shared_tokens: int
@@ -47,10 +47,13 @@ class Probe:
     repeats: int  # timed calls per path and q, after one that warms up
 
 
-# A CPU takes milliseconds per call at this size; the relay grid's own shape would take seconds per q.
-CPU_PROBE = Probe(requests=16, shared_tokens=1024, private_tokens=64, max_rows_per_kv_head=64, repeats=5)
-# A GPU's crossover moves with how many blocks fill its SMs, so it is timed at the relay grid's shape.
+# Both devices time the relay grid's batch (bench/kernel.py, bench/kernel_gpu.py). The tree path's gain
+# grows with the requests that share a chunk, so a smaller batch moves the crossover: on a Zen 3 a copy
+# scaled down to 16 requests behind 1024 tokens put bf16 16/4 heads at 0.89x to 0.95x at 16 rows per KV
+# head, where the relay grid measured 1.13x and this batch 1.12x. On a GPU the crossover also moves with
+# how many blocks fill its SMs. At this size a CPU takes 1 to 10 s per layer shape, once (cached on disk).
 CUDA_PROBE = Probe(requests=32, shared_tokens=2048, private_tokens=128, max_rows_per_kv_head=64, repeats=10)
+CPU_PROBE = dataclasses.replace(CUDA_PROBE, repeats=5)
 
 
 def probe_for(device: torch.device) -> Probe:
