@@ -50,7 +50,7 @@ from vllm_chunkattn import _C
 from vllm_chunkattn.kernels.cpu_info import cpu_description
 from vllm_chunkattn.kernels import tree_reach
 from vllm_chunkattn.kernels.support import CPU, tree_max_query_len
-from vllm_chunkattn.kernels.tree_reach import blocks, interleaved_medians, random_cache, shared_prefix_batch, timed
+from vllm_chunkattn.kernels.tree_reach import blocks, interleaved_timings, random_cache, shared_prefix_batch, timed
 from vllm_chunkattn.prefix.plan import DecodeShape
 
 logger = logging.getLogger("vllm.chunkattn.kernels")  # in vLLM's hierarchy, see plugin.py
@@ -255,7 +255,7 @@ def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
         dataclasses.replace(base, **{name: value}).apply()
         return [timed(call) for call in calls]
 
-    medians = interleaved_medians(list(candidates), run, REPEATS)
+    medians = interleaved_timings(list(candidates), run, REPEATS)
     first = medians[candidates[0]]
     return {c: sum(t / t0 for t, t0 in zip(medians[c], first)) for c in candidates}
 
