@@ -16,7 +16,7 @@ q = 2, 4, 8, ... while q x group is at most `Probe.max_rows_per_kv_head`; the
 reach is the last q x group up to which the tree path's fastest call was at
 least as fast as the per-request path's, at every q. The tree path is planned
 by the engine's own StepPlanner, with the platform's rule for a request's own
-node. On CPU this runs inside the tile tuning (kernels/cpu_tuning.py, 1 to 10 s
+node. On CPU this runs inside the tile tuning (kernels/cpu_tuning.py, 1 to 15 s
 per shape, cached on disk); on CUDA it takes about a second per shape and is
 measured in every process (`cuda_reach`).
 """
@@ -50,10 +50,10 @@ class Probe:
 
 
 # Both devices time the relay grid's batch (bench/kernel.py, bench/kernel_gpu.py). The tree path's gain
-# grows with the requests that share a chunk, so a smaller batch moves the crossover: on a Zen 3 a copy
-# scaled down to 16 requests behind 1024 tokens put bf16 16/4 heads at 0.89x to 0.95x at 16 rows per KV
-# head, where the relay grid measured 1.13x and this batch 1.12x. On a GPU the crossover also moves with
-# how many blocks fill its SMs. At this size a CPU takes 1 to 10 s per layer shape, once (cached on disk).
+# grows with the requests that share a chunk, so a smaller batch under-rates it (16 requests behind 1024
+# tokens: 0.89x to 0.95x on a Zen 3 where this batch gives 1.12x, bf16 16/4 heads at 16 rows per KV head);
+# on a GPU the crossover also moves with how many blocks fill its SMs. A CPU takes 1 to 15 s per layer
+# shape at this size, once (cached on disk).
 CUDA_PROBE = Probe(requests=32, shared_tokens=2048, private_tokens=128, max_rows_per_kv_head=64, repeats=10)
 CPU_PROBE = dataclasses.replace(CUDA_PROBE, repeats=5)
 
