@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_chunkattn.bench.metrics_poller import MetricsPoller
-from vllm_chunkattn.bench.report import markdown, normalised_latencies_ms, percentile, write_report
+from vllm_chunkattn.bench.report import markdown, normalised_latencies_ms, percentile, plot_throughput, write_report
 from vllm_chunkattn.bench.tree_dataset import TreeShape, load_tokenizer, tree_prompts
 from vllm_chunkattn.bench.workloads import workloads
 from vllm_chunkattn.testing.models import ensure_model
@@ -123,6 +123,19 @@ def test_report_table_ratios_and_plots(tmp_path):
     assert markdown(saved) == table  # the report can be rebuilt from results.json
     for name in ("fig5_normalised_latency.png", "throughput.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_the_throughput_plot_shows_the_tables_medians(tmp_path):
+    """With repeats the bars are the medians the table reports, not the last run."""
+    ws = [{"name": "tree", "description": "d", "shared_tokens": 10, "output_tokens": 5, "min_throughput_ratio": 1.4,
+           "max_p90_latency_ratio": None}]
+    runs = [{**_record(server, "tree", "concurrency", 32, tput, 20.0), "repeat": repeat}
+            for server, repeat, tput in (("stock", 1, 100.0), ("chunk", 1, 150.0),
+                                         ("chunk", 2, 150.0), ("stock", 2, 140.0))]
+    results = {"command": "cmd", "workloads": ws, "runs": runs}
+    assert "| tree | **chunk/stock** | **1.25** | **1.25** |" in markdown(results)
+    assert plot_throughput(results, tmp_path / "throughput.png") == {"tree": 1.25}  # the last runs: 1.07
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
 
 
 def test_server_start_failure_shows_the_cause():

@@ -354,34 +354,48 @@ def plot_normalised_latency(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_throughput(results: dict, path: Path) -> None:
+def plot_throughput(results: dict, path: Path) -> dict[str, float]:
+    """Per workload and server, the median output throughput over repeats (the table's number) as a bar, each
+    repeat as a dot on it, and chunk/stock of the medians above the pair; returns those ratios."""
     plt = _pyplot()
     runs = [r for r in results["runs"] if r["mode"] == "concurrency"]
     names = [w["name"] for w in results["workloads"]]
+    c = runs[0]["x"] if runs else "?"
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(names) + 1.5), 3.8))
     width = 0.38
+    ratios: dict[str, float] = {}
     for i, name in enumerate(names):
-        pair = {r["server"]: r for r in runs if r["workload"] == name and not r.get("timed_out")}
+        pair = _pair(runs, name, "concurrency", c)
         for j, server in enumerate(SERVERS):
-            if any(r["workload"] == name and r["server"] == server and r.get("timed_out") for r in runs):
-                ax.text(i + (j - 0.5) * width, 0, "timed\nout", ha="center", va="bottom", fontsize=8)
-        for j, server in enumerate(SERVERS):
-            if server in pair:
-                ax.bar(i + (j - 0.5) * width, pair[server]["output_throughput"], width,
-                       color=STYLE[server]["color"], label=server if i == 0 else None)
-        if len(pair) == 2 and pair["stock"]["output_throughput"]:
-            ratio = pair["chunk"]["output_throughput"] / pair["stock"]["output_throughput"]
-            top = max(p["output_throughput"] for p in pair.values())
+            x = i + (j - 0.5) * width
+            if server not in pair:
+                continue
+            if pair[server].get("timed_out"):
+                ax.text(x, 0, "timed\nout", ha="center", va="bottom", fontsize=8)
+                continue
+            ax.bar(x, pair[server]["output_throughput"], width, color=STYLE[server]["color"],
+                   label=server if i == 0 else None)
+            each = [r["output_throughput"] for r in _repeats(runs, name, "concurrency", c)[server]]
+            if len(each) > 1:
+                ax.plot([x] * len(each), each, linestyle="none", marker=".", color="black", markersize=5,
+                        label="each run" if i == 0 and j == 0 else None)
+        ratio = None if any(r.get("timed_out") for r in pair.values()) else _pair_ratio(pair, "output_throughput")
+        if ratio is not None:
+            top = max(max(r["output_throughput"] for r in _repeats(runs, name, "concurrency", c)[s])
+                      for s in pair)
             ax.text(i, top * 1.02, f"{ratio:.2f}x", ha="center", va="bottom", fontsize=9)
+            ratios[name] = ratio
     ax.set_xticks(range(len(names)), names, fontsize=8, rotation=10)
     ax.set_ylabel("output tokens/s")
-    c = runs[0]["x"] if runs else "?"
-    ax.set_title(f"Output throughput at max concurrency {c} (chunk/stock above the bars)", fontsize=10)
+    repeats = max((r.get("repeat", 1) for r in runs), default=1)
+    ax.set_title(f"Output throughput at max concurrency {c}, median of {repeats} run{'s' * (repeats > 1)}\n"
+                 "(chunk/stock of the medians above the bars)", fontsize=10)
     ax.margins(y=0.15)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return ratios
 
 
 def _json_safe(x):
