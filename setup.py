@@ -37,6 +37,12 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def _headers(*folders: str) -> list[str]:
+    """The headers and included fragments of these csrc folders: an extension's
+    `depends`, so that build_ext rebuilds it when only one of them changed."""
+    return [h for folder in folders for pattern in ("*.h", "*.cuh", "*.inc") for h in _sources(f"{folder}/{pattern}")]
+
+
 def _extensions():
     # -g0: Python's default CFLAGS add -g, which makes the templated kernels
     # several times slower to build and the library ~10x bigger.
@@ -46,6 +52,7 @@ def _extensions():
         cpp_extension.CppExtension(
             name="vllm_chunkattn._C",
             sources=_sources("csrc/cpu/*.cpp"),
+            depends=_headers("csrc", "csrc/common", "csrc/cpu"),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=["-fopenmp"],
@@ -71,6 +78,7 @@ def _extensions():
             cpp_extension.CUDAExtension(
                 name="vllm_chunkattn._C_cuda",
                 sources=cuda_sources + _sources("csrc/cuda/*.cpp"),
+                depends=_headers("csrc", "csrc/common", "csrc/cuda"),
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args={
                     "cxx": ["-O3", "-std=c++20"],

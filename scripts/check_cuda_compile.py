@@ -39,17 +39,24 @@ CSRC = ROOT / "csrc"
 sys.path.insert(0, str(ROOT))
 from vllm_chunkattn.install.cuda_toolkit import cuda_include_dir, find_nvcc  # noqa: E402
 
-# Dynamic shared memory of the attention kernels, SmemLayout<D>::kBytes in
-# csrc/cuda/attention.cuh: max(main loop buffers, epilogue buffers).
-TILE = {64: (64, 2), 128: (64, 1), 256: (32, 1)}  # D -> (KV tile, stages)
+# Dynamic shared memory of the attention kernels (csrc/cuda/attention.cuh):
+# prefill's is SmemLayout<D>::kBytes (64 Q rows), the TPP attend kernel's the
+# larger of that and the group layout's for its GQA group (Q rows rounded up
+# to 16, two KV stages); each is max(main loop buffers, epilogue buffers).
+TILE = {64: (64, 2, 2), 128: (64, 1, 2), 256: (32, 1, 2)}  # D -> (KV tile, stages, group stages)
 
 
-def dynamic_smem_bytes(head_size: int) -> int:
-    kv_tile, stages = TILE[head_size]
+def dynamic_smem_bytes(head_size: int, group: int | None = None) -> int:
+    """Prefill's bytes without a group, else the TPP attend kernel's for that GQA group."""
+    kv_tile, stages, group_stages = TILE[head_size]
     ld = head_size + 8
-    main = (64 * ld + stages * 2 * kv_tile * ld) * 2
     epilogue = (4 * 16 * (head_size + 4) + 2 * 4 * 16) * 4
-    return max(main, epilogue)
+
+    def layout(q_rows: int, layout_stages: int) -> int:
+        return max((q_rows * ld + layout_stages * 2 * kv_tile * ld) * 2, epilogue)
+
+    stacked = layout(64, stages)
+    return stacked if group is None else max(stacked, layout(-(-group // 16) * 16, group_stages))
 
 
 def torch_flags() -> tuple[list[str], list[str]]:
@@ -120,8 +127,13 @@ def parse_ptxas(text: str) -> list[dict]:
 
 
 def dynamic_for(kernel: str) -> str:
-    m = re.search(r"(?:tpp_attend_kernel|prefill_attend_kernel)<\w+, (\d+)>", kernel)
-    return str(dynamic_smem_bytes(int(m.group(1)))) if m else "0"
+    m = re.search(r"(tpp|prefill)_attend_kernel<\w+, (\d+)>", kernel)
+    if not m:
+        return "0"
+    head_size = int(m.group(2))
+    if m.group(1) == "prefill":
+        return str(dynamic_smem_bytes(head_size))
+    return f"{dynamic_smem_bytes(head_size, 16)} (G <= 16) to {dynamic_smem_bytes(head_size, 64)} (G = 64)"
 
 
 def main(argv: list[str] | None = None) -> int:

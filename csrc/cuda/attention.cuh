@@ -21,14 +21,20 @@
 //
 // Shared memory (dynamic), 16-bit elements, rows padded to D + 8 elements so
 // that ldmatrix row addresses fall into distinct banks:
-//   Q  [64][D + 8]
+//   Q  [ROWS][D + 8]
 //   KV [STAGES][2][TKC][D + 8]   (K tile then V tile per stage; cp.async)
 // reused after the main loop as the epilogue buffer
 //   O [4 warps][16][D + 4] fp32, m [4][16], l [4][16].
-// The KV tile size TKC and the number of stages depend on D so that every
+// Two layouts, a template parameter of attend(): kStacked, ROWS = 64, for
+// stacked tiles (chunk-first nodes, prefill), and kGroup, ROWS = the call's
+// rows rounded up to 16, for one decode request's GQA group (the
+// sequence-first phase). A group's small Q buffer leaves room for a second KV
+// stage, so a memory-bound sequence-first block has its next tile in flight
+// while it computes this one. TKC and the stages depend on D so that every
 // configuration fits the 99 KiB per-block limit of sm_86/sm_89:
-//   D = 64: TKC 64, 2 stages (45 KiB); D = 128: TKC 64, 1 stage (51 KiB);
-//   D = 256: TKC 32, 1 stage (66 KiB).
+//   D = 64:  TKC 64, 2 stages (stacked 45 KiB; group of 16 rows 38 KiB)
+//   D = 128: TKC 64, stacked 1 stage (51 KiB), group 2 stages (16 rows 72 KiB, 64 rows 85 KiB)
+//   D = 256: TKC 32, stacked 1 stage (66 KiB), group 2 stages (16 rows 74 KiB, 64 rows 99 KiB)
 // KV tiles cover TKC consecutive positions and may span several chunks
 // (block_size 16 or 32): each row is fetched through the block table.
 #pragma once
@@ -47,31 +53,48 @@ template <int D>
 struct TileConfig;
 template <>
 struct TileConfig<64> {
-  static constexpr int kKvTile = 64, kStages = 2;
+  static constexpr int kKvTile = 64, kStages = 2, kGroupStages = 2;
 };
 template <>
 struct TileConfig<128> {
-  static constexpr int kKvTile = 64, kStages = 1;
+  static constexpr int kKvTile = 64, kStages = 1, kGroupStages = 2;
 };
 template <>
 struct TileConfig<256> {
-  static constexpr int kKvTile = 32, kStages = 1;
+  static constexpr int kKvTile = 32, kStages = 1, kGroupStages = 2;
 };
 
-template <int D>
+enum class RowLayout { kStacked, kGroup };
+
+template <int D, RowLayout kLayout = RowLayout::kStacked>
 struct SmemLayout {
   static constexpr int kKvTile = TileConfig<D>::kKvTile;
-  static constexpr int kStages = TileConfig<D>::kStages;
+  static constexpr int kStages = kLayout == RowLayout::kStacked ? TileConfig<D>::kStages : TileConfig<D>::kGroupStages;
   static constexpr int kLd = D + 8;  // 16-bit elements per staged row
-  static constexpr int kQElems = kMaxRows * kLd;
   static constexpr int kKvTileElems = kKvTile * kLd;
-  static constexpr int kMainBytes = (kQElems + kStages * 2 * kKvTileElems) * 2;
   static constexpr int kOutLd = D + 4;  // floats per epilogue row
   static constexpr int kEpilogueBytes = (kWarps * 16 * kOutLd + 2 * kWarps * 16) * 4;
-  static constexpr int kBytes = kMainBytes > kEpilogueBytes ? kMainBytes : kEpilogueBytes;
-  static_assert(kBytes <= 99 * 1024, "shared memory must fit sm_86/sm_89 (99 KiB per block)");
+  // Q rows staged for a call of num_rows rows; the KV stages follow them.
+  static constexpr int q_rows(int num_rows) {
+    return kLayout == RowLayout::kStacked ? kMaxRows : (num_rows + 15) / 16 * 16;
+  }
+  static constexpr int bytes(int num_rows) {
+    const int main = (q_rows(num_rows) * kLd + kStages * 2 * kKvTileElems) * 2;
+    return main > kEpilogueBytes ? main : kEpilogueBytes;
+  }
+  static constexpr int kBytes = bytes(kMaxRows);  // the most a call of either layout takes
+  static_assert(bytes(kMaxRows) <= 99 * 1024, "shared memory must fit sm_86/sm_89 (99 KiB per block)");
   static_assert(kKvTile % 16 == 0 && D % 16 == 0, "tiles are multiples of the MMA shape");
 };
+
+// Dynamic shared memory of the TPP attend kernel, whose blocks call attend()
+// in both layouts: stacked chunk-first tiles and sequence-first groups of
+// `group` rows (the GQA group). A function of shapes only.
+template <int D>
+constexpr int tpp_attend_smem_bytes(int group) {
+  const int stacked = SmemLayout<D>::kBytes, grouped = SmemLayout<D, RowLayout::kGroup>::bytes(group);
+  return stacked > grouped ? stacked : grouped;
+}
 
 // How a score q.k becomes the softmax's logit (log2 domain), and which
 // positions a row sees beyond the causal mask: the attention variants of
@@ -118,15 +141,16 @@ struct KvSource {
 //     s_j is the logit `mod` makes of q . k_j. A row that saw no position has
 //     m = -inf, n = 0, o = 0.
 // Must be called by all 128 threads of the block with the same arguments.
-template <typename T, int D, bool kCausal, class QRow, class RowPos, class RowHead, class Epilogue>
+template <typename T, int D, bool kCausal, RowLayout kLayout = RowLayout::kStacked, class QRow, class RowPos, class RowHead,
+          class Epilogue>
 __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row, const KvSource<T>& kv,
                                        int t_begin, int t_end, RowPos row_pos, RowHead row_head,
                                        const ScoreMod& mod, Epilogue epilogue) {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<D, kLayout>;
   constexpr int kTile = L::kKvTile, kStages = L::kStages, kLd = L::kLd, kVecPerRow = D / 8;
   constexpr bool kQInRegisters = D <= 128;  // D = 256 re-reads Q from shared memory (registers)
   T* s_q = reinterpret_cast<T*>(smem_raw);
-  T* s_kv = s_q + L::kQElems;
+  T* s_kv = s_q + L::q_rows(num_rows) * L::kLd;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int row_groups = ceil_div(num_rows, 16);  // 1..4
@@ -287,23 +311,22 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
     }
   };
 
-  // ---- main loop over KV tiles
+  // ---- main loop over KV tiles; tile t lives in stage t % kStages. With one
+  // stage the next tile's copy starts after this tile's math; with more, the
+  // copies run kStages - 1 tiles ahead (empty commit groups keep the count).
   const int num_tiles = t_end > t_begin ? ceil_div(t_end - t_begin, kTile) : 0;
-  if (num_tiles > 0) load_tile(0, 0);
-  cp_async_commit();  // group 0: Q and tile 0
+  constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // tiles requested before the loop
+#pragma unroll
+  for (int t = 0; t < kAhead; ++t) {
+    if (t < num_tiles) load_tile(t, t % kStages);
+    cp_async_commit();  // group 0 also holds Q
+  }
   for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = kStages == 2 ? (tile & 1) : 0;
-    if constexpr (kStages == 2) {
-      if (tile + 1 < num_tiles) {
-        load_tile(tile + 1, (tile + 1) & 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-    } else {
-      cp_async_wait<0>();
+    if constexpr (kStages > 1) {
+      if (tile + kAhead < num_tiles) load_tile(tile + kAhead, (tile + kAhead) % kStages);
+      cp_async_commit();
     }
+    cp_async_wait<kStages - 1>();
     __syncthreads();
     if constexpr (kQInRegisters) {
       if (tile == 0 && active) {
@@ -313,13 +336,11 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
         }
       }
     }
-    if (active) compute(tile, stage);
+    if (active) compute(tile, tile % kStages);
     __syncthreads();
     if constexpr (kStages == 1) {
-      if (tile + 1 < num_tiles) {
-        load_tile(tile + 1, 0);
-        cp_async_commit();
-      }
+      if (tile + 1 < num_tiles) load_tile(tile + 1, 0);
+      cp_async_commit();
     }
   }
   cp_async_wait<0>();

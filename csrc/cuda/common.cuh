@@ -10,8 +10,11 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cuda/launch.h"  // first: under the emulator it defines __host__/__device__ for what follows
 #include "common/partial_state.h"
@@ -227,24 +230,26 @@ inline int num_sms(int device) {
   return cached[device];
 }
 
-// Opt a kernel into more than 48 KiB of dynamic shared memory (once per kernel
-// and device) and report how many of its blocks fit on one SM.
+// Opt a kernel into more than 48 KiB of dynamic shared memory and report how
+// many of its blocks fit on one SM, once per kernel, device and size (the TPP
+// attend kernel's size depends on the GQA group). The opt-in is a property of
+// the kernel, so it stays at the largest size asked for on the device.
 template <auto kernel>
 inline int prepare_kernel(int smem_bytes, int threads, int device) {
-  static bool configured[64] = {false};
-  static int blocks_per_sm[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (!configured[device]) {
-    if (smem_bytes > 48 * 1024) {
-      throw_on_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-                     "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-    }
-    int n = 0;
-    throw_on_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes), "occupancy");
-    blocks_per_sm[device] = n > 0 ? n : 1;
-    configured[device] = true;
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> blocks_per_sm;  // (device, bytes) -> blocks
+  static std::map<int, int> opted_in;                       // device -> bytes
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto known = blocks_per_sm.find({device, smem_bytes});
+  if (known != blocks_per_sm.end()) return known->second;
+  if (smem_bytes > 48 * 1024 && smem_bytes > opted_in[device]) {
+    throw_on_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+                   "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    opted_in[device] = smem_bytes;
   }
-  return blocks_per_sm[device];
+  int n = 0;
+  throw_on_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes), "occupancy");
+  return blocks_per_sm[{device, smem_bytes}] = n > 0 ? n : 1;
 }
 
 inline size_t align_up(size_t bytes, size_t alignment = 256) { return (bytes + alignment - 1) / alignment * alignment; }

@@ -36,8 +36,9 @@
 //    - blocks [grid1, ...): sequence-first phase, block (split, request, KV
 //      head): the request's private positions [shared_chunks * block_size,
 //      seq_len), split flash-decoding style into up to S ranges of whole KV
-//      tiles (S = ceil(resident blocks / (batch * num_kv_heads)), at most 16);
-//      rows = the G query heads of the KV head. Writes fp32 partials per split.
+//      tiles (S: whole waves of resident blocks, at most 16, num_splits_for_waves);
+//      rows = the G query heads of the KV head, in attend()'s group layout
+//      (two KV stages). Writes fp32 partials per split.
 // 3. merge <<<batch * num_kv_heads, 128>>>: per request and head, the online-
 //    softmax merge (paper equation 2) of its node pieces (via row_partials) and
 //    its private splits, then its head's sink, if any; writes out = o / n (0 for a
@@ -242,7 +243,8 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
     return;
   }
 
-  // ---------------- sequence-first: (split, request, KV head)
+  // ---------------- sequence-first: (split, request, KV head), attend()'s
+  // group layout (two KV stages)
   const int index = blockIdx.x - p.grid_chunk_first;
   const int split = index % p.num_splits;
   const int h = (index / p.num_splits) % p.num_kv_heads;
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
   const KvSource<T> kv{cache, p.cache_stride_block, p.cache_stride_head,
                        p.block_table + static_cast<int64_t>(b) * p.block_table_stride, h, p.block_shift};
   const T* q = query + static_cast<int64_t>(b) * p.query_stride_row;
-  attend<T, D, false>(
+  attend<T, D, false, RowLayout::kGroup>(
       smem, G, [&](int r) { return q + static_cast<int64_t>(h * G + r) * p.query_stride_head; }, kv, t_begin,
       t_end, [&](int) { return seq_len - 1; }, [&](int r) { return h * G + r; }, p.mod,
       [&](int r, int d, float4 o, float m, float n) {
@@ -340,10 +342,10 @@ template <typename T, int D>
 LaunchConfig launch_config(const DecodeArgs& a) {
   LaunchConfig c{};
   const int device = current_device();
-  c.smem_bytes = SmemLayout<D>::kBytes;
+  c.group = a.num_heads / a.num_kv_heads;
+  c.smem_bytes = tpp_attend_smem_bytes<D>(c.group);
   const int per_sm = prepare_kernel<tpp_attend_kernel<T, D>>(c.smem_bytes, kThreads, device);
   c.target_blocks = num_sms(device) * per_sm;
-  c.group = a.num_heads / a.num_kv_heads;
   c.rows_per_tile = std::max(1, kMaxRows / c.group);
   c.kv_tile = TileConfig<D>::kKvTile;
   const int nodes = std::max(a.num_nodes, 0), partial_rows = std::max(a.num_partial_rows, 0);

@@ -119,8 +119,9 @@ def _check(out, expected, dtype):
 
 
 # (seed, batch, block_size, head_size, group, dtype, num_sms): every head size, block
-# size, group size 1..8 and both dtypes at least once; num_sms changes the plan
-# (pieces per node, splits per request, jobs per block).
+# size, group size 1..8 and both dtypes at least once, and groups over 16 (the
+# sequence-first phase's group layout with 32 and 64 Q rows); num_sms changes the
+# plan (pieces per node, splits per request, jobs per block).
 DECODE_CASES = [
     (0, 9, 16, 128, 1, torch.float16, 4),
     (1, 12, 32, 64, 2, torch.bfloat16, 1),
@@ -130,6 +131,8 @@ DECODE_CASES = [
     (5, 8, 32, 256, 1, torch.bfloat16, 2),
     (6, 5, 16, 64, 5, torch.float16, 32),
     (7, 11, 16, 128, 8, torch.bfloat16, 3),
+    (8, 5, 32, 64, 20, torch.float16, 6),
+    (9, 4, 16, 256, 64, torch.bfloat16, 2),
 ]
 
 
@@ -471,4 +474,8 @@ def test_compile_report_states_the_compiled_shared_memory(emu):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     for head_size in support.CUDA.head_sizes:
-        assert script.dynamic_smem_bytes(head_size) == emu.emu_attention_smem_bytes(head_size)
+        assert script.dynamic_smem_bytes(head_size) == emu.emu_attention_smem_bytes(head_size, 0)
+        for group in (1, 4, 16, 17, 64):
+            compiled = emu.emu_attention_smem_bytes(head_size, group)
+            assert script.dynamic_smem_bytes(head_size, group) == compiled
+            assert compiled <= 99 * 1024

@@ -1,7 +1,7 @@
 """The CUDA kernels against the float64 reference on random prefix trees, on a GPU.
 
 Covers head sizes 64/128/256, block sizes 16/32/64/128, fp16/bf16 and GQA
-groups 1..8 (decode, rows of several tokens per request, and prefill), the paper's shapes with long shared and
+groups 1..8 (decode, rows of several tokens per request, and prefill; decode also 20 and 64), the paper's shapes with long shared and
 private parts (several pieces per node and splits per request), the
 fixed-capacity (CUDA-graph) context with padding rows, strided inputs, and
 the KV write."""
@@ -42,6 +42,9 @@ DTYPES = [torch.float16, torch.bfloat16]
 HEAD_SIZES = [64, 128, 256]
 BLOCK_SIZES = [16, 32, 64, 128]
 GROUPS = [1, 2, 3, 4, 8]
+# Decode also over 16 query heads per KV head: the sequence-first phase's group
+# layout then stages 32 and 64 Q rows (csrc/cuda/attention.cuh).
+DECODE_GROUPS = GROUPS + [20, 64]
 
 
 def _inputs(table, seq_lens, block_size, head_size, group, dtype, num_kv_heads=2, seed=0):
@@ -72,7 +75,7 @@ def test_cuda_kernels_are_the_ones_running():
 
 @pytest.mark.parametrize("dtype,head_size,block_size", list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES)))
 def test_decode_random_trees(dtype, head_size, block_size):
-    for seed, group in enumerate(GROUPS):
+    for seed, group in enumerate(DECODE_GROUPS):
         rng = np.random.default_rng(seed)
         table, seq_lens = random_forest(rng, 24, block_size, max_shared_blocks=6, max_private_blocks=6)
         query, kv = _inputs(table, seq_lens, block_size, head_size, group, dtype, seed=seed)

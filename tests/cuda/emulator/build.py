@@ -83,7 +83,7 @@ def load() -> ctypes.CDLL:
     lib.emu_set_cp_async_early.restype = None
     lib.emu_set_schedule.argtypes = [I]
     lib.emu_set_schedule.restype = None
-    lib.emu_attention_smem_bytes.argtypes = [I]
+    lib.emu_attention_smem_bytes.argtypes = [I, I]
     lib.emu_attention_smem_bytes.restype = I
     return lib
 

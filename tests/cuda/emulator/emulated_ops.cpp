@@ -183,12 +183,14 @@ extern "C" void emu_set_cp_async_early(int early) { emu::g_cp_async_early = earl
 // Warp scheduling policy of the emulator (simt_emulator.h, g_schedule).
 extern "C" void emu_set_schedule(int policy) { emu::g_schedule = policy; }
 
-// Dynamic shared memory of the attention kernels (SmemLayout<D>::kBytes), so
-// tests can hold scripts/check_cuda_compile.py's table to the compiled value.
-extern "C" int emu_attention_smem_bytes(int head_size) {
-#define CHUNKATTN_CASE_HEAD_SIZE(D) \
-  case D:                           \
-    return chunkattn::cuda::SmemLayout<D>::kBytes;
+// Dynamic shared memory of the attention kernels: the TPP attend kernel's
+// for GQA group `group` (tpp_attend_smem_bytes<D>), or with group 0 the
+// prefill kernel's (SmemLayout<D>::kBytes), so tests can hold
+// scripts/check_cuda_compile.py's formula to the compiled values.
+extern "C" int emu_attention_smem_bytes(int head_size, int group) {
+#define CHUNKATTN_CASE_HEAD_SIZE(D)                                                        \
+  case D:                                                                                  \
+    return group > 0 ? chunkattn::cuda::tpp_attend_smem_bytes<D>(group) : chunkattn::cuda::SmemLayout<D>::kBytes;
   switch (head_size) {
     CHUNKATTN_CUDA_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_HEAD_SIZE)
     default:

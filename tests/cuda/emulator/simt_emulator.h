@@ -29,6 +29,7 @@
 #include <vector_functions.h>
 #include <vector_types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -36,6 +37,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -120,6 +122,11 @@ inline uint64_t next_random() {
 }
 inline int g_num_sms = 4;
 inline int g_blocks_per_sm = 2;
+// Dynamic shared memory a kernel may take beyond 48 KiB, per (kernel, device),
+// as cudaFuncSetAttribute(MaxDynamicSharedMemorySize) set it; a launch over it
+// fails as on a GPU ("invalid argument").
+constexpr size_t kDefaultDynamicSmem = 48 * 1024;
+inline std::map<std::pair<const void*, int>, size_t> g_dynamic_smem_opt_in;
 
 inline void fail(const std::string& message) {
   if (g_error.empty()) g_error = message;
@@ -224,6 +231,13 @@ inline bool run_block(int threads, const std::function<void()>& body) {
 template <class... KernelArgs, class... Args>
 void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes, Args&&... args) {
   if (!g_error.empty()) return;
+  const auto opt_in = g_dynamic_smem_opt_in.find({reinterpret_cast<const void*>(kernel), g_num_sms});
+  const size_t smem_limit = opt_in == g_dynamic_smem_opt_in.end() ? kDefaultDynamicSmem : opt_in->second;
+  if (smem_bytes > std::max(smem_limit, kDefaultDynamicSmem)) {
+    g_error = "invalid argument: " + std::to_string(smem_bytes) + " bytes of dynamic shared memory, the kernel is opted in to " +
+              std::to_string(smem_limit);
+    return;
+  }
   std::tuple<std::decay_t<KernelArgs>...> packed(std::forward<Args>(args)...);
   gridDim = grid;
   blockDim = block;
@@ -406,7 +420,9 @@ inline float fast_exp2(float x) { return std::exp2(x); }
 
 // ---- the runtime API calls of the launchers
 template <class Kernel>
-inline cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int) {
+inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attribute, int value) {
+  if (attribute == cudaFuncAttributeMaxDynamicSharedMemorySize)
+    emu::g_dynamic_smem_opt_in[{reinterpret_cast<const void*>(kernel), emu::g_num_sms}] = static_cast<size_t>(value);
   return cudaSuccess;
 }
 template <class Kernel>
