@@ -30,7 +30,8 @@
 // rows rounded up to 16, for one decode request's GQA group (the
 // sequence-first phase). A group's small Q buffer leaves room for a second KV
 // stage, so a memory-bound sequence-first block has its next tile in flight
-// while it computes this one. TKC and the stages depend on D so that every
+// while it computes this one; the launcher keeps one stage where the second
+// would cost resident blocks (tpp_decode.cu). TKC and the stages depend on D so that every
 // configuration fits the 99 KiB per-block limit of sm_86/sm_89:
 //   D = 64:  TKC 64, 2 stages (stacked 45 KiB; group of 16 rows 38 KiB)
 //   D = 128: TKC 64, stacked 1 stage (51 KiB), group 2 stages (16 rows 72 KiB, 64 rows 85 KiB)
@@ -69,30 +70,39 @@ enum class RowLayout { kStacked, kGroup };
 template <int D, RowLayout kLayout = RowLayout::kStacked>
 struct SmemLayout {
   static constexpr int kKvTile = TileConfig<D>::kKvTile;
+  // K/V stages: the stacked layout's are fixed; a group's are chosen per launch
+  // (1 or up to kGroupStages, tpp_decode.cu), this is the most.
   static constexpr int kStages = kLayout == RowLayout::kStacked ? TileConfig<D>::kStages : TileConfig<D>::kGroupStages;
   static constexpr int kLd = D + 8;  // 16-bit elements per staged row
   static constexpr int kKvTileElems = kKvTile * kLd;
   static constexpr int kOutLd = D + 4;  // floats per epilogue row
   static constexpr int kEpilogueBytes = (kWarps * 16 * kOutLd + 2 * kWarps * 16) * 4;
-  // Q rows staged for a call of num_rows rows; the KV stages follow them.
+  // Q rows staged for a call of num_rows rows; the K/V stages follow them.
   static constexpr int q_rows(int num_rows) {
     return kLayout == RowLayout::kStacked ? kMaxRows : (num_rows + 15) / 16 * 16;
   }
-  static constexpr int bytes(int num_rows) {
-    const int main = (q_rows(num_rows) * kLd + kStages * 2 * kKvTileElems) * 2;
+  static constexpr int bytes(int num_rows, int stages = kStages) {
+    const int main = (q_rows(num_rows) * kLd + stages * 2 * kKvTileElems) * 2;
     return main > kEpilogueBytes ? main : kEpilogueBytes;
   }
-  static constexpr int kBytes = bytes(kMaxRows);  // the most a call of either layout takes
-  static_assert(bytes(kMaxRows) <= 99 * 1024, "shared memory must fit sm_86/sm_89 (99 KiB per block)");
+  static constexpr int kBytes = bytes(kMaxRows);  // the most a call of this layout takes
+  static_assert(kStages == 1 || kStages == 2, "attend() pipelines one or two K/V stages");
+  static_assert(kBytes <= 99 * 1024, "shared memory must fit sm_86/sm_89 (99 KiB per block)");
   static_assert(kKvTile % 16 == 0 && D % 16 == 0, "tiles are multiples of the MMA shape");
 };
 
+// Whether a group's second K/V stage can take shared memory beyond the stacked
+// layout's (not at D = 64, where both have two): only then is a group's stage
+// count chosen per launch; otherwise it is fixed, and so is attend()'s loop.
+template <int D>
+constexpr bool kGroupStagesVary = SmemLayout<D, RowLayout::kGroup>::kBytes > SmemLayout<D>::kBytes;
+
 // Dynamic shared memory of the TPP attend kernel, whose blocks call attend()
 // in both layouts: stacked chunk-first tiles and sequence-first groups of
-// `group` rows (the GQA group). A function of shapes only.
+// `group` rows (the GQA group) with `group_stages` K/V stages. Shapes only.
 template <int D>
-constexpr int tpp_attend_smem_bytes(int group) {
-  const int stacked = SmemLayout<D>::kBytes, grouped = SmemLayout<D, RowLayout::kGroup>::bytes(group);
+constexpr int tpp_attend_smem_bytes(int group, int group_stages) {
+  const int stacked = SmemLayout<D>::kBytes, grouped = SmemLayout<D, RowLayout::kGroup>::bytes(group, group_stages);
   return stacked > grouped ? stacked : grouped;
 }
 
@@ -140,14 +150,17 @@ struct KvSource {
 //     positions the row saw, m = max_j s_j, n = sum_j exp2(s_j - m), where
 //     s_j is the logit `mod` makes of q . k_j. A row that saw no position has
 //     m = -inf, n = 0, o = 0.
+// kv_stages: 1 or 2 K/V stages in shared memory; the stacked layout's are fixed.
 // Must be called by all 128 threads of the block with the same arguments.
 template <typename T, int D, bool kCausal, RowLayout kLayout = RowLayout::kStacked, class QRow, class RowPos, class RowHead,
           class Epilogue>
 __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row, const KvSource<T>& kv,
                                        int t_begin, int t_end, RowPos row_pos, RowHead row_head,
-                                       const ScoreMod& mod, Epilogue epilogue) {
+                                       const ScoreMod& mod, Epilogue epilogue,
+                                       int kv_stages = SmemLayout<D, kLayout>::kStages) {
   using L = SmemLayout<D, kLayout>;
-  constexpr int kTile = L::kKvTile, kStages = L::kStages, kLd = L::kLd, kVecPerRow = D / 8;
+  constexpr int kTile = L::kKvTile, kLd = L::kLd, kVecPerRow = D / 8;
+  if constexpr (kLayout == RowLayout::kStacked || !kGroupStagesVary<D>) kv_stages = L::kStages;
   constexpr bool kQInRegisters = D <= 128;  // D = 256 re-reads Q from shared memory (registers)
   T* s_q = reinterpret_cast<T*>(smem_raw);
   T* s_kv = s_q + L::q_rows(num_rows) * L::kLd;
@@ -311,22 +324,19 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
     }
   };
 
-  // ---- main loop over KV tiles; tile t lives in stage t % kStages. With one
-  // stage the next tile's copy starts after this tile's math; with more, the
-  // copies run kStages - 1 tiles ahead (empty commit groups keep the count).
+  // ---- main loop over KV tiles. With one stage the next tile's copy starts
+  // after this tile's math; with two it runs under it (tile t in stage t & 1).
   const int num_tiles = t_end > t_begin ? ceil_div(t_end - t_begin, kTile) : 0;
-  constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // tiles requested before the loop
-#pragma unroll
-  for (int t = 0; t < kAhead; ++t) {
-    if (t < num_tiles) load_tile(t, t % kStages);
-    cp_async_commit();  // group 0 also holds Q
-  }
+  if (num_tiles > 0) load_tile(0, 0);
+  cp_async_commit();  // group 0: Q and tile 0
   for (int tile = 0; tile < num_tiles; ++tile) {
-    if constexpr (kStages > 1) {
-      if (tile + kAhead < num_tiles) load_tile(tile + kAhead, (tile + kAhead) % kStages);
-      cp_async_commit();
+    if (kv_stages == 2) {
+      if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
+      cp_async_commit();  // possibly empty: the count stays one group per tile
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    cp_async_wait<kStages - 1>();
     __syncthreads();
     if constexpr (kQInRegisters) {
       if (tile == 0 && active) {
@@ -336,10 +346,10 @@ __device__ __forceinline__ void attend(char* smem_raw, int num_rows, QRow q_row,
         }
       }
     }
-    if (active) compute(tile, tile % kStages);
+    if (active) compute(tile, kv_stages == 2 ? tile & 1 : 0);
     __syncthreads();
-    if constexpr (kStages == 1) {
-      if (tile + 1 < num_tiles) load_tile(tile + 1, 0);
+    if (kv_stages == 1 && tile + 1 < num_tiles) {
+      load_tile(tile + 1, 0);
       cp_async_commit();
     }
   }

@@ -38,7 +38,8 @@
 //      seq_len), split flash-decoding style into up to S ranges of whole KV
 //      tiles (S: whole waves of resident blocks, at most 16, num_splits_for_waves);
 //      rows = the G query heads of the KV head, in attend()'s group layout
-//      (two KV stages). Writes fp32 partials per split.
+//      (two K/V stages where they cost no resident blocks, launch_config).
+//      Writes fp32 partials per split.
 // 3. merge <<<batch * num_kv_heads, 128>>>: per request and head, the online-
 //    softmax merge (paper equation 2) of its node pieces (via row_partials) and
 //    its private splits, then its head's sink, if any; writes out = o / n (0 for a
@@ -102,6 +103,7 @@ struct DecodeKernelParams {
   int piece_row_capacity;
   int grid_chunk_first;
   int num_splits;
+  int group_stages;  // K/V stages of the sequence-first phase (1 or 2)
   // plan
   int4* node_work;
   int4* partial_work;
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
   }
 
   // ---------------- sequence-first: (split, request, KV head), attend()'s
-  // group layout (two KV stages)
+  // group layout
   const int index = blockIdx.x - p.grid_chunk_first;
   const int split = index % p.num_splits;
   const int h = (index / p.num_splits) % p.num_kv_heads;
@@ -267,7 +269,8 @@ __global__ void __launch_bounds__(kThreads) tpp_attend_kernel(DecodeKernelParams
         const int64_t idx = (static_cast<int64_t>(b) * p.num_splits + split) * p.num_heads + h * G + r;
         *reinterpret_cast<float4*>(p.split_o + idx * D + d) = o;
         if (d == 0) p.split_ml[idx] = make_float2(m, n);
-      });
+      },
+      p.group_stages);
 }
 
 // One part (m, n) = ml, o = po into the running state (paper equation (2), log2 domain).
@@ -315,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) tpp_merge_kernel(DecodeKernelParams 
 // and for the plan and every layer's run of one step).
 struct LaunchConfig {
   int group, rows_per_tile, kv_tile, target_blocks, item_capacity, piece_row_capacity;
-  int grid_chunk_first, num_splits, smem_bytes;
+  int grid_chunk_first, num_splits, group_stages, smem_bytes;
   size_t off_piece_ml, off_piece_o, off_split_ml, off_split_o, workspace_bytes;
 };
 
@@ -343,8 +346,22 @@ LaunchConfig launch_config(const DecodeArgs& a) {
   LaunchConfig c{};
   const int device = current_device();
   c.group = a.num_heads / a.num_kv_heads;
-  c.smem_bytes = tpp_attend_smem_bytes<D>(c.group);
-  const int per_sm = prepare_kernel<tpp_attend_kernel<T, D>>(c.smem_bytes, kThreads, device);
+  // The sequence-first phase's second K/V stage, where it costs no resident
+  // blocks: an H100 or H200 SM fits 3 blocks of 72 KiB (D = 128, G <= 16) as
+  // it fits 3 of the stacked layout's 51 KiB; an A100's would fit 2, so one
+  // stage there. Shapes and device only, so identical at capture and replay.
+  c.group_stages = SmemLayout<D, RowLayout::kGroup>::kStages;
+  c.smem_bytes = tpp_attend_smem_bytes<D>(c.group, c.group_stages);
+  int per_sm = prepare_kernel<tpp_attend_kernel<T, D>>(c.smem_bytes, kThreads, device);
+  const int one_stage_bytes = tpp_attend_smem_bytes<D>(c.group, 1);
+  if (one_stage_bytes < c.smem_bytes) {
+    const int one_stage_per_sm = prepare_kernel<tpp_attend_kernel<T, D>>(one_stage_bytes, kThreads, device);
+    if (one_stage_per_sm > per_sm) {
+      c.group_stages = 1;
+      c.smem_bytes = one_stage_bytes;
+      per_sm = one_stage_per_sm;
+    }
+  }
   c.target_blocks = num_sms(device) * per_sm;
   c.rows_per_tile = std::max(1, kMaxRows / c.group);
   c.kv_tile = TileConfig<D>::kKvTile;
@@ -412,6 +429,7 @@ DecodeKernelParams kernel_params(const DecodeArgs& a, const LaunchConfig& c, con
   p.piece_row_capacity = c.piece_row_capacity;
   p.grid_chunk_first = c.grid_chunk_first;
   p.num_splits = c.num_splits;
+  p.group_stages = c.group_stages;
   p.node_work = reinterpret_cast<int4*>(plan.node_work);
   p.partial_work = reinterpret_cast<int4*>(plan.partial_work);
   p.items = reinterpret_cast<int4*>(plan.items);

@@ -49,6 +49,7 @@ def emu():
     yield lib
     lib.emu_set_cp_async_early(0)
     lib.emu_set_schedule(0)
+    lib.emu_set_smem_per_sm(0)
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -134,6 +135,31 @@ DECODE_CASES = [
     (8, 5, 32, 64, 20, torch.float16, 6),
     (9, 4, 16, 256, 64, torch.bfloat16, 2),
 ]
+
+
+@pytest.mark.parametrize("smem_per_sm,blocks_per_sm,stages", [(228 * 1024, 3, 2), (164 * 1024, 3, 1)])
+def test_sequence_first_keeps_one_stage_where_two_cost_resident_blocks(emu, smem_per_sm, blocks_per_sm, stages):
+    """The sequence-first phase's second K/V stage (72 KiB a block at D = 128) is taken where the SM still
+    fits as many blocks as with the stacked layout's 51 KiB (an H100's 228 KiB: 3 either way), not where it
+    would fit fewer (an A100's 164 KiB: 2 instead of 3); both give the reference's output."""
+    script = _compile_script()
+    head_size, group, dtype = 128, 4, torch.float16
+    query, kv_cache, table, seq_lens = _decode_case(40 + stages, 8, 16, head_size, group, dtype)
+    ctx = prefix_tree(table, seq_lens, 16)
+    emu.emu_set_smem_per_sm(smem_per_sm)
+    try:
+        emu.emu_take_largest_launch_smem()
+        out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 1 / math.sqrt(head_size), num_sms=5,
+                         blocks_per_sm=blocks_per_sm)
+        launched = emu.emu_take_largest_launch_smem()
+    finally:
+        emu.emu_set_smem_per_sm(0)
+    two_stages = script.dynamic_smem_bytes(head_size, group)
+    assert launched == (two_stages if stages == 2 else script.dynamic_smem_bytes(head_size))
+    assert smem_per_sm // launched == blocks_per_sm
+    expected = reference.paged_attention(query, kv_cache, torch.arange(len(seq_lens) + 1), seq_lens, table,
+                                         1 / math.sqrt(head_size))
+    _check(out, expected, dtype)
 
 
 @pytest.mark.parametrize("seed,batch,block_size,head_size,group,dtype,num_sms", DECODE_CASES)
@@ -463,9 +489,8 @@ def test_write_kv_cache(emu, dtype, slot_dtype):
     assert torch.equal(cache, expected)
 
 
-def test_compile_report_states_the_compiled_shared_memory(emu):
-    """scripts/check_cuda_compile.py reports dynamic shared memory from a formula;
-    it must equal what the kernels are compiled with."""
+def _compile_script():
+    """scripts/check_cuda_compile.py as a module (its shared-memory formula)."""
     import importlib.util
     from pathlib import Path
 
@@ -473,6 +498,13 @@ def test_compile_report_states_the_compiled_shared_memory(emu):
     spec = importlib.util.spec_from_file_location("check_cuda_compile", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_compile_report_states_the_compiled_shared_memory(emu):
+    """scripts/check_cuda_compile.py reports dynamic shared memory from a formula;
+    it must equal what the kernels are compiled with."""
+    script = _compile_script()
     for head_size in support.CUDA.head_sizes:
         assert script.dynamic_smem_bytes(head_size) == emu.emu_attention_smem_bytes(head_size, 0)
         for group in (1, 4, 16, 17, 64):

@@ -85,6 +85,10 @@ def load() -> ctypes.CDLL:
     lib.emu_set_schedule.restype = None
     lib.emu_attention_smem_bytes.argtypes = [I, I]
     lib.emu_attention_smem_bytes.restype = I
+    lib.emu_set_smem_per_sm.argtypes = [I]
+    lib.emu_set_smem_per_sm.restype = None
+    lib.emu_take_largest_launch_smem.argtypes = []
+    lib.emu_take_largest_launch_smem.restype = I
     return lib
 
 

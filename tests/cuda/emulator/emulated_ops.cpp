@@ -4,8 +4,10 @@
 // Device memory is host memory here; the workspace is filled with 0xFF bytes
 // (NaN floats, -1 ints) so that reading anything the kernels did not write
 // shows up in the results.
+#include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/attention.cuh"
@@ -32,13 +34,16 @@ void configure(int num_sms, int blocks_per_sm) {
 }
 }  // namespace
 
-// The emulated device has `device id == SM count` (the launchers cache per device).
+// The emulated device's id: one per configuration (SMs, blocks per SM, shared
+// memory per SM), since the launchers cache per device what they ask of it.
 extern "C" cudaError_t cudaGetDevice(int* device) {
-  *device = emu::g_num_sms;
+  static std::map<std::tuple<int, int, size_t>, int> ids;
+  *device = ids.try_emplace({emu::g_num_sms, emu::g_blocks_per_sm, emu::g_smem_per_sm}, static_cast<int>(ids.size()))
+                .first->second;
   return cudaSuccess;
 }
-extern "C" cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int device) {
-  *value = device;
+extern "C" cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
+  *value = emu::g_num_sms;  // the only attribute the launchers ask for
   return cudaSuccess;
 }
 extern "C" cudaError_t cudaGetLastError(void) { return emu::g_error.empty() ? cudaSuccess : cudaErrorLaunchFailure; }
@@ -183,14 +188,24 @@ extern "C" void emu_set_cp_async_early(int early) { emu::g_cp_async_early = earl
 // Warp scheduling policy of the emulator (simt_emulator.h, g_schedule).
 extern "C" void emu_set_schedule(int policy) { emu::g_schedule = policy; }
 
+// Shared memory per SM of the emulated device (0: no limit), which bounds the
+// resident blocks the occupancy query reports; and the most dynamic shared
+// memory a launch took since the last call of emu_take_largest_launch_smem.
+extern "C" void emu_set_smem_per_sm(int bytes) { emu::g_smem_per_sm = static_cast<size_t>(bytes); }
+extern "C" int emu_take_largest_launch_smem() {
+  const size_t largest = emu::g_largest_launch_smem;
+  emu::g_largest_launch_smem = 0;
+  return static_cast<int>(largest);
+}
+
 // Dynamic shared memory of the attention kernels: the TPP attend kernel's
-// for GQA group `group` (tpp_attend_smem_bytes<D>), or with group 0 the
+// for GQA group `group` with two K/V stages (tpp_attend_smem_bytes<D>), or with group 0 the
 // prefill kernel's (SmemLayout<D>::kBytes), so tests can hold
 // scripts/check_cuda_compile.py's formula to the compiled values.
 extern "C" int emu_attention_smem_bytes(int head_size, int group) {
 #define CHUNKATTN_CASE_HEAD_SIZE(D)                                                        \
   case D:                                                                                  \
-    return group > 0 ? chunkattn::cuda::tpp_attend_smem_bytes<D>(group) : chunkattn::cuda::SmemLayout<D>::kBytes;
+    return group > 0 ? chunkattn::cuda::tpp_attend_smem_bytes<D>(group, 2) : chunkattn::cuda::SmemLayout<D>::kBytes;
   switch (head_size) {
     CHUNKATTN_CUDA_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_HEAD_SIZE)
     default:

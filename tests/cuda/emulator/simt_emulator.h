@@ -127,6 +127,8 @@ inline int g_blocks_per_sm = 2;
 // fails as on a GPU ("invalid argument").
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;
 inline std::map<std::pair<const void*, int>, size_t> g_dynamic_smem_opt_in;
+inline size_t g_smem_per_sm = 0;          // 0: the occupancy query reports g_blocks_per_sm
+inline size_t g_largest_launch_smem = 0;  // the most dynamic shared memory a launch took
 
 inline void fail(const std::string& message) {
   if (g_error.empty()) g_error = message;
@@ -231,13 +233,16 @@ inline bool run_block(int threads, const std::function<void()>& body) {
 template <class... KernelArgs, class... Args>
 void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes, Args&&... args) {
   if (!g_error.empty()) return;
-  const auto opt_in = g_dynamic_smem_opt_in.find({reinterpret_cast<const void*>(kernel), g_num_sms});
+  int device = 0;
+  cudaGetDevice(&device);
+  const auto opt_in = g_dynamic_smem_opt_in.find({reinterpret_cast<const void*>(kernel), device});
   const size_t smem_limit = opt_in == g_dynamic_smem_opt_in.end() ? kDefaultDynamicSmem : opt_in->second;
   if (smem_bytes > std::max(smem_limit, kDefaultDynamicSmem)) {
     g_error = "invalid argument: " + std::to_string(smem_bytes) + " bytes of dynamic shared memory, the kernel is opted in to " +
               std::to_string(smem_limit);
     return;
   }
+  g_largest_launch_smem = std::max(g_largest_launch_smem, smem_bytes);
   std::tuple<std::decay_t<KernelArgs>...> packed(std::forward<Args>(args)...);
   gridDim = grid;
   blockDim = block;
@@ -421,13 +426,16 @@ inline float fast_exp2(float x) { return std::exp2(x); }
 // ---- the runtime API calls of the launchers
 template <class Kernel>
 inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attribute, int value) {
+  int device = 0;
+  cudaGetDevice(&device);
   if (attribute == cudaFuncAttributeMaxDynamicSharedMemorySize)
-    emu::g_dynamic_smem_opt_in[{reinterpret_cast<const void*>(kernel), emu::g_num_sms}] = static_cast<size_t>(value);
+    emu::g_dynamic_smem_opt_in[{reinterpret_cast<const void*>(kernel), device}] = static_cast<size_t>(value);
   return cudaSuccess;
 }
 template <class Kernel>
-inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, Kernel*, int, size_t) {
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, Kernel*, int, size_t smem_bytes) {
   *n = emu::g_blocks_per_sm;
+  if (emu::g_smem_per_sm > 0) *n = std::min<int>(*n, static_cast<int>(emu::g_smem_per_sm / std::max<size_t>(smem_bytes, 1)));
   return cudaSuccess;
 }
 
