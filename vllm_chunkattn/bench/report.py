@@ -365,7 +365,8 @@ def plot_throughput(results: dict, path: Path) -> dict[str, float]:
     width = 0.38
     ratios: dict[str, float] = {}
     for i, name in enumerate(names):
-        pair = _pair(runs, name, "concurrency", c)
+        by_server = _repeats(runs, name, "concurrency", c)
+        pair = {server: _median_record(server_runs) for server, server_runs in by_server.items()}
         for j, server in enumerate(SERVERS):
             x = i + (j - 0.5) * width
             if server not in pair:
@@ -375,14 +376,13 @@ def plot_throughput(results: dict, path: Path) -> dict[str, float]:
                 continue
             ax.bar(x, pair[server]["output_throughput"], width, color=STYLE[server]["color"],
                    label=server if i == 0 else None)
-            each = [r["output_throughput"] for r in _repeats(runs, name, "concurrency", c)[server]]
+            each = [r["output_throughput"] for r in by_server[server]]
             if len(each) > 1:
                 ax.plot([x] * len(each), each, linestyle="none", marker=".", color="black", markersize=5,
                         label="each run" if i == 0 and j == 0 else None)
         ratio = None if any(r.get("timed_out") for r in pair.values()) else _pair_ratio(pair, "output_throughput")
         if ratio is not None:
-            top = max(max(r["output_throughput"] for r in _repeats(runs, name, "concurrency", c)[s])
-                      for s in pair)
+            top = max(r["output_throughput"] for server_runs in by_server.values() for r in server_runs)
             ax.text(i, top * 1.02, f"{ratio:.2f}x", ha="center", va="bottom", fontsize=9)
             ratios[name] = ratio
     ax.set_xticks(range(len(names)), names, fontsize=8, rotation=10)
