@@ -121,9 +121,14 @@ def _median_record(runs: list[dict]) -> dict:
     return merged
 
 
+def _medians(by_server: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per server, one record for its repeats (_median_record)."""
+    return {server: _median_record(runs) for server, runs in by_server.items()}
+
+
 def _pair(records: list[dict], workload: str, mode: str, x) -> dict[str, dict]:
     """Per server, the median over the repeats of one configuration."""
-    return {server: _median_record(runs) for server, runs in _repeats(records, workload, mode, x).items()}
+    return _medians(_repeats(records, workload, mode, x))
 
 
 def _repeat_ratios(records: list[dict], workload: str, mode: str, x, key: str) -> list[float]:
@@ -366,7 +371,7 @@ def plot_throughput(results: dict, path: Path) -> dict[str, float]:
     ratios: dict[str, float] = {}
     for i, name in enumerate(names):
         by_server = _repeats(runs, name, "concurrency", c)
-        pair = {server: _median_record(server_runs) for server, server_runs in by_server.items()}
+        pair = _medians(by_server)
         for j, server in enumerate(SERVERS):
             x = i + (j - 0.5) * width
             if server not in pair:
