@@ -135,6 +135,8 @@ struct CpuTuning {
   int lanes_tile_keys = 128;    // keys per attend_lanes tile, rounded down to whole chunks (at least one)
   int prefetch_distance = 1;    // attend_direct: KV tiles ahead of the one computed that are prefetched (0: none)
   int decode_qk_inline = 0;     // 1: decode's lanes tiles inline the bf16 Q.K block (KernelTable::lanes_qk_inline)
+  int lanes_prefetch_spread = 1;  // attend_lanes: each register block prefetches 1 / spread of the next tile's
+                                  // lines its loop could (1: a line per step; 0: no prefetching)
 };
 // Every parameter once: its name (the Python side's), its field and its
 // allowed range [min, max]. set_cpu_tuning checks against it, and the _C
@@ -149,6 +151,7 @@ inline constexpr CpuTuningField kCpuTuningFields[] = {
     {"lanes_tile_keys", &CpuTuning::lanes_tile_keys, 16, 2048},
     {"prefetch_distance", &CpuTuning::prefetch_distance, 0, 4},
     {"decode_qk_inline", &CpuTuning::decode_qk_inline, 0, 1},
+    {"lanes_prefetch_spread", &CpuTuning::lanes_prefetch_spread, 0, 16},
 };
 const CpuTuning& cpu_tuning();
 void set_cpu_tuning(const CpuTuning& tuning);  // TORCH_CHECKs each field against its range in kCpuTuningFields

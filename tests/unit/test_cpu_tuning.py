@@ -50,7 +50,7 @@ def test_defaults_are_the_compiled_defaults_and_candidates_lie_within_the_limits
         assert getattr(cpu_tuning.CpuTuning(), name) in candidates, name
 
 
-@pytest.mark.parametrize("field", ["prefill_tile_rows", "lanes_tile_keys", "prefetch_distance"])
+@pytest.mark.parametrize("field", ["prefill_tile_rows", "lanes_tile_keys", "prefetch_distance", "lanes_prefetch_spread"])
 def test_values_outside_the_limits_are_refused_and_change_nothing(field):
     before = cpu_tuning.current()
     lo, hi = _C.cpu_tuning_limits()[field]

@@ -11,6 +11,10 @@ constants (csrc/cpu/kernels.h, `CpuTuning`):
   decode_qk_inline    1: decode's matrix-matrix tiles inline the bf16 Q.K
                       register block (7 to 11% faster shared decode on a Zen 4;
                       out of line it cured a register spill on a Zen 5)
+  lanes_prefetch_spread  how gently the matrix-matrix tiles prefetch the next
+                      tile: a line on 1 / spread of a register block's steps
+                      (a Zen 4's best was 1; a Zen 3 chose 4 or 8 in fp32,
+                      up to 1.17x faster on nodes of 32 query rows per KV head)
 
 Nor is the point where a request with several new tokens stops gaining from
 the prefix-tree path and is better served by the per-request prefill, so it is
@@ -64,6 +68,7 @@ CANDIDATES: dict[str, tuple[int, ...]] = {
     "lanes_tile_keys": (64, 128, 256, 512),
     "prefetch_distance": (0, 1, 2),
     "decode_qk_inline": (0, 1),
+    "lanes_prefetch_spread": (1, 2, 4, 8, 16),
 }
 # The synthetic workloads whose time each parameter changes.
 WORKLOADS: dict[str, tuple[str, ...]] = {
@@ -71,6 +76,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     "lanes_tile_keys": ("prefill", "shared_decode"),
     "prefetch_distance": ("private_decode",),
     "decode_qk_inline": ("shared_decode",),
+    "lanes_prefetch_spread": ("prefill", "shared_decode", "small_node_decode"),
 }
 MIN_GAIN = 0.03  # a candidate must be this much faster than the current value to replace it
 REPEATS = 5
@@ -89,6 +95,7 @@ class CpuTuning:
     lanes_tile_keys: int = _DEFAULTS["lanes_tile_keys"]
     prefetch_distance: int = _DEFAULTS["prefetch_distance"]
     decode_qk_inline: int = _DEFAULTS["decode_qk_inline"]
+    lanes_prefetch_spread: int = _DEFAULTS["lanes_prefetch_spread"]
 
     def apply(self) -> None:
         """Sets these values in the compiled kernels (checked against their limits there)."""
@@ -210,6 +217,8 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
     """One call per synthetic workload of `shape`, small enough that measuring takes seconds:
     prefill        8 requests x 256 new tokens after 768 cached
     shared_decode  32 requests sharing 1024 tokens, 1 private token each
+    small_node_decode  8 requests sharing 2048 tokens, 1 private token each (the
+                   serving benchmark's nodes: 32 query rows per KV head with GQA 4)
     private_decode 8 requests, nothing shared, PRIVATE_DECODE_KV_BYTES of KV in all."""
     from vllm_chunkattn.kernels import ops
     from vllm_chunkattn.prefix.tree import PrefixTreeCache
@@ -239,6 +248,7 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
 
     shared = blocks(1024, bs) * bs
     calls["shared_decode"] = decode(32, shared, shared + 1)
+    calls["small_node_decode"] = decode(8, 2 * shared, 2 * shared + 1)
     token_bytes = shape.num_kv_heads * 2 * d * shape.dtype.itemsize
     batch = 8
     context = max(bs, min(16384, PRIVATE_DECODE_KV_BYTES // token_bytes // batch // bs * bs))
