@@ -276,6 +276,45 @@ def test_serve_grid_is_the_serving_benchmarks_last_decode_step(quick):
         assert num_blocks == len({b for r in rows for b in r})
 
 
+@pytest.mark.parametrize("quick", [False, True])
+def test_offline_grid_is_one_layer_of_the_offline_batch(quick):
+    """`--grid offline`, from the offline benchmark's own defaults and model: a decode step of every request
+    halfway through its outputs, and a prompt step of as many requests' own tokens as one step schedules,
+    both behind the shared system prompt."""
+    from vllm_chunkattn.bench import offline
+    from vllm_chunkattn.testing.models import SPECS
+
+    batch = offline.parse_args(["--quick"] if quick else [])
+    spec = SPECS["tiny" if quick else "bench-gqa"]
+    decode, prompt = kernel.offline_points("fp32", quick)
+    for p in (decode, prompt):
+        assert (p.heads, p.kv_heads, p.head_dim) == (spec["num_attention_heads"], spec["num_key_value_heads"],
+                                                     spec["head_dim"])
+        assert p.shared == batch.system_len and p.shared % p.chunk == 0 and p.chunk == batch.block_size
+    assert (decode.requests, decode.new) == (batch.num_requests, 1)
+    assert decode.context == batch.system_len + batch.user_len + batch.output_len // 2
+    assert (prompt.new, prompt.context) == (batch.user_len, batch.system_len + batch.user_len)
+    assert prompt.requests * prompt.new <= batch.max_num_batched_tokens
+    assert prompt.requests == batch.num_requests or (prompt.requests + 1) * prompt.new > batch.max_num_batched_tokens
+    if not quick:
+        assert spec["num_key_value_heads"] < spec["num_attention_heads"]  # the served-model shape: GQA
+
+
+def test_offline_grid_reports_its_own_section(tmp_path):
+    cmd = [sys.executable, "-m", "vllm_chunkattn.bench.kernel", "--quick", "--grid", "offline", "--dtype", "fp32",
+           "--repeats", "2", "--warmup", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = (tmp_path / "table.md").read_text()
+    section = table[table.index("## offline: one layer of the offline batch"):]
+    assert "## relay" not in table
+    rows = [line for line in section.splitlines() if line.startswith("| fp32 |")]
+    assert [row.split(" | ")[2:4] for row in rows] == [["16", "1"], ["16", "16"]]  # requests, q
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["disagreements"] == []
+    assert {r["impl"] for r in results["records"]} >= {"ours", "ours per-request", "vLLM", "roofline"}
+
+
 def test_physically_shared_table_reads_the_first_owners_copy():
     w = kernel.grid_points("tree", "fp32", quick=True)[0]
     rng = np.random.default_rng(1)
@@ -355,11 +394,12 @@ def test_several_windows_time_each_point_in_one_rotation_and_report_what_each_ke
 
 
 def test_head_size_replaces_the_grids_and_leaves_the_serving_models_own():
-    planned = kernel.plan(["table3", "prefill", "relay", "serve"], ["fp32"], quick=False, head_size=64)
+    planned = kernel.plan(["table3", "prefill", "relay", "serve", "offline"], ["fp32"], quick=False, head_size=64)
     by_grid = {}
     for planned_point in planned:
         by_grid.setdefault(planned_point.grid, set()).add(planned_point.point.head_dim)
     assert by_grid["table3"] == by_grid["prefill"] == by_grid["relay"] == {64}
     assert by_grid["serve"] == {kernel.plan(["serve"], ["fp32"], quick=False)[0].point.head_dim}
-    assert all("d=64" in p.label() for p in planned if p.grid != "serve")
+    assert by_grid["offline"] == {kernel.plan(["offline"], ["fp32"], quick=False)[0].point.head_dim} == {128}
+    assert all("d=64" in p.label() for p in planned if p.grid not in kernel.MODEL_GRIDS)
     assert {p.point.head_dim for p in kernel.plan(["table3"], ["fp32"], quick=False)} == {kernel.DEFAULT_HEAD_SIZE}

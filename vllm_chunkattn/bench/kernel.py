@@ -58,6 +58,13 @@ Grids:
             at every point, beside the reach the engine measured for each
             shape at start (kernels/cpu_tuning.py), which decides the
             "engine's path" column
+    offline the attention of one layer of the offline batch benchmark
+            (bench/offline.py, its defaults, on the bench-gqa model's heads):
+            a decode step halfway through the outputs (every request one row
+            behind the system prompt) and a prompt step (as many requests'
+            own tokens as fit max_num_batched_tokens behind the cached system
+            prompt), in the relay grid's table: what the batch's attention
+            takes in each backend and at its roofline
 
 Timing: `--warmup` untimed calls of each implementation, then `--repeats`
 repetitions; each repetition runs every implementation once, in an order that
@@ -133,7 +140,9 @@ AS_AVX2_CPU_ENV = {"CHUNKATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "
                    AS_AVX2_CPU_MARKER: "1"}
 AVX2_PEAK_LOOPS = ("avx2_fma",)
 DENSE_MAX_REPEATS = 5
-GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill", "relay"]
+GRIDS = ["table3", "fig3", "fig4", "tree", "serve", "prefill", "relay", "offline"]
+PREFILL_GRIDS = ("prefill", "relay", "offline")  # PrefillPoint grids: against vLLM's prefill kernel only
+MODEL_GRIDS = ("serve", "offline")  # shaped by a benchmark model: --head-size leaves them
 # Share of the available memory a point's inputs may take; above it the dense
 # baselines (a dense copy of every request's K and V) are left out of the point.
 MEMORY_FRACTION = 0.8
@@ -662,6 +671,23 @@ def relay_points(dtype: str, quick: bool) -> list[PrefillPoint]:
             for heads in (16, 32) for group in (1, 4) for q in RELAY_QUERY_LENS]
 
 
+def offline_points(dtype: str, quick: bool) -> list[PrefillPoint]:
+    """One layer of the offline batch (bench/offline.py's defaults): its decode step halfway through the
+    outputs, and a prompt step of own tokens behind the cached system prompt."""
+    from vllm_chunkattn.bench import offline
+    from vllm_chunkattn.testing.models import SPECS
+
+    batch = offline.parse_args(["--quick"] if quick else [])
+    spec = SPECS["tiny" if quick else "bench-gqa"]
+    heads, kv_heads, head_dim = spec["num_attention_heads"], spec["num_key_value_heads"], spec["head_dim"]
+    prompt_requests = min(batch.num_requests, batch.max_num_batched_tokens // batch.user_len)
+    decode_context = batch.system_len + batch.user_len + batch.output_len // 2
+    return [PrefillPoint(batch.num_requests, 1, decode_context, heads, head_dim, batch.block_size, dtype,
+                         kv_heads=kv_heads, shared=batch.system_len),
+            PrefillPoint(prompt_requests, batch.user_len, batch.system_len + batch.user_len, heads, head_dim,
+                         batch.block_size, dtype, kv_heads=kv_heads, shared=batch.system_len)]
+
+
 def run_prefill_point(p: PrefillPoint, repeats: int, warmup: int, flush: Callable[[], None] | None,
                       rng: np.random.Generator) -> PointResult:
     """ours: chunkattn::paged_prefill; with a shared prefix (relay) ours is the
@@ -803,9 +829,10 @@ def relay_table(rows: list[dict]) -> list[str]:
     """The relay grid's table, and the most query rows per KV head (q x GQA group) up to which
     the tree path beat the per-request one at every point, beside what the engine measured at
     start for each shape (ShapeTuning.tree_max_rows_per_kv_head, kernels/cpu_tuning.py)."""
-    lines = ["| dtype | heads | q | tree ms | per-request ms | vLLM ms | vLLM/tree | per-request/tree | engine's path | "
+    lines = ["| dtype | heads | requests | q | context | tree ms | per-request ms | vLLM ms | vLLM/tree | "
+             "per-request/tree | engine's path | "
              "engine / better of vLLM and per-request | engine / vLLM | tree plan ms (per step) | tree/roofline | "
-             "ceiling: vLLM/roofline | max|Δ| vLLM, per-request |", "|" + "---|" * 15]
+             "ceiling: vLLM/roofline | max|Δ| vLLM, per-request |", "|" + "---|" * 17]
     wins: dict[int, bool] = {}  # rows per KV head -> the tree path won at every such point
     reach = {point_shape(r["p"]): r["tuning"] for r in rows}
     for r in rows:
@@ -816,7 +843,7 @@ def relay_table(rows: list[dict]) -> list[str]:
         on_tree = p.new <= r["tuning"].tree_max_query_len(group)
         engine_ms = tree_ms if on_tree else per_ms
         heads = f"{p.heads}" + (f" / {p.kv_heads} KV" if p.kv_heads != p.heads else "")
-        lines.append(f"| {p.dtype} | {heads} | {p.new} | {time_cell(times['ours'])} | "
+        lines.append(f"| {p.dtype} | {heads} | {p.requests} | {p.new} | {p.context} | {time_cell(times['ours'])} | "
                      f"{time_cell(times['ours per-request'])} | {time_cell(times['vLLM'])} | {vllm_ms / tree_ms:.2f}x | "
                      f"{per_ms / tree_ms:.2f}x | {'tree' if on_tree else 'per-request'} | "
                      f"{min(vllm_ms, per_ms) / engine_ms:.2f}x | {vllm_ms / engine_ms:.2f}x | "
@@ -939,13 +966,13 @@ def plan(grids: list[str], dtypes: list[str], quick: bool, windows: tuple[int, .
          sinks: bool = False, head_size: int = DEFAULT_HEAD_SIZE) -> list[PlannedPoint]:
     """The run's points; with several windows, each point once per window, back to back (run_point times
     them together, so that their ratios come from the same rotation of the same run). `head_size` replaces
-    the grids' 128 (the serve grid keeps its model's, the quick grids their own)."""
+    the grids' 128 (serve and offline keep their models', the quick grids their own)."""
     planned = []
     for grid in grids:
         for dtype in dtypes:
-            points_of = {"prefill": prefill_points, "relay": relay_points}.get(grid)
+            points_of = {"prefill": prefill_points, "relay": relay_points, "offline": offline_points}.get(grid)
             points = points_of(dtype, quick) if points_of else grid_points(grid, dtype, quick)
-            if head_size != DEFAULT_HEAD_SIZE and grid != "serve" and not quick:
+            if head_size != DEFAULT_HEAD_SIZE and grid not in MODEL_GRIDS and not quick:
                 points = [dataclasses.replace(p, head_dim=head_size) for p in points]
             if windows != (0,) or sinks:
                 points = [dataclasses.replace(p, window=w, sinks=sinks) for p in points for w in windows]
@@ -1125,7 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", default="all", choices=GRIDS + ["all"])
     parser.add_argument("--dtype", default="both", choices=["bf16", "fp32", "fp16", "both"])
     parser.add_argument("--head-size", type=int, default=DEFAULT_HEAD_SIZE, choices=CPU.head_sizes,
-                        help="head size of every grid but serve (the paper's: 128)")
+                        help="head size of every grid but serve and offline, which take their models' "
+                             "(the paper's: 128)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CI smoke run")
@@ -1149,9 +1177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/kernel")
     args = parser.parse_args(argv)
     for flag, used in (("--sliding-window", args.sliding_window != (0,)), ("--sinks", args.sinks)):
-        if used and args.grid in ("prefill", "relay", "all"):
+        if used and args.grid in (*PREFILL_GRIDS, "all"):
             parser.error(f"{flag} applies to the decode grids; choose one of "
-                         f"{', '.join(g for g in GRIDS if g not in ('prefill', 'relay'))}")
+                         f"{', '.join(g for g in GRIDS if g not in PREFILL_GRIDS)}")
     if args.device == "cuda":
         sys.exit(run_on_gpu(args))
     if args.as_avx2_cpu:
@@ -1169,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
         impls = [i for i in impls if not i.startswith("PagedAttn")]
     grids = GRIDS if args.grid == "all" else [args.grid]
     if not any(i.startswith("PagedAttn") for i in impls):
-        grids = [g for g in grids if g not in ("prefill", "relay")]  # they need vLLM
+        grids = [g for g in grids if g not in PREFILL_GRIDS]  # they need vLLM
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1242,7 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     rows_by_table: dict[tuple[str, str, int], list[dict]] = {}
     prefill_rows: list[dict] = []
-    relay_rows: list[dict] = []
+    relay_rows: dict[str, list[dict]] = {}  # grid -> rows of points with a shared prefix
     below: list[str] = []
     for planned_point, result in results:
         p = planned_point.point
@@ -1274,7 +1302,10 @@ def main(argv: list[str] | None = None) -> int:
         below += below_roofline(p.label(), result.times, bound)
         row = dict(w=p, p=p, times=result.times, roofline=bound, diffs=result.diffs, tuning=tunings[point_shape(p)])
         if isinstance(p, PrefillPoint):
-            (relay_rows if p.shared else prefill_rows).append(row)
+            if p.shared:
+                relay_rows.setdefault(planned_point.grid, []).append(row)
+            else:
+                prefill_rows.append(row)
         else:
             rows_by_table.setdefault((planned_point.grid, p.dtype, p.window), []).append(row)
     for line in below:
@@ -1300,13 +1331,15 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## prefill (causal, paged): chunkattn::paged_prefill vs vLLM's CPU kernel", "",
                      "n_c in results.json = new tokens per request, n_p = seq_len; roofline bytes: KV, queries and "
                      "outputs.", "", prefill_table(prefill_rows)]
-    if relay_rows:
-        sections += ["", "## relay: rows of several tokens over a shared prefix (tree path vs per-request prefill "
-                     "vs vLLM)", "", "requests x q new tokens after a shared prefix and private tokens (the "
+    for grid, rows in relay_rows.items():
+        title = {"relay": "rows of several tokens over a shared prefix",
+                 "offline": "one layer of the offline batch (bench/offline.py)"}[grid]
+        sections += ["", f"## {grid}: {title} (tree path vs per-request prefill vs vLLM)", "",
+                     "requests x q new tokens after a shared prefix and private tokens (the "
                      "grid's points: module docstring); tree: every "
                      "query token a row of chunkattn::tpp_decode over the rows' prefix tree; per-request: "
                      "chunkattn::paged_prefill; roofline bytes: the shared KV once, private KV, queries and "
-                     "outputs.", "", *relay_table(relay_rows)]
+                     "outputs.", "", *relay_table(rows)]
     text = "\n".join(sections) + "\n"
     print("\n" + text, flush=True)
     (out_dir / "table.md").write_text(text)
