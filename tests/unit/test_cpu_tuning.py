@@ -81,7 +81,7 @@ def test_a_change_needs_min_gain(monkeypatch):
     """A candidate within MIN_GAIN of the current value does not replace it (noise never moves the defaults)."""
     default = cpu_tuning.CpuTuning()
 
-    def timed(name, candidates, base, calls):
+    def timed(name, candidates, base, calls, flush):
         # Every other candidate 2% faster than the default: not enough.
         return {c: 1.0 if c == getattr(default, name) else 0.98 for c in candidates}
 
@@ -89,12 +89,29 @@ def test_a_change_needs_min_gain(monkeypatch):
     monkeypatch.setattr(tree_reach, "measure_reach", lambda shape: (4, {}))
     assert cpu_tuning.measure(SMALL)[0] == cpu_tuning.ShapeTuning(default, 4)
 
-    def much_faster(name, candidates, base, calls):
+    def much_faster(name, candidates, base, calls, flush):
         return {c: 1.0 if c != candidates[-1] else 0.5 for c in candidates}
 
     monkeypatch.setattr(cpu_tuning, "_time_candidates", much_faster)
     assert cpu_tuning.measure(SMALL)[0].tiles == cpu_tuning.CpuTuning(**{n: c[-1] for n, c in
                                                                         cpu_tuning.CANDIDATES.items()})
+
+
+def test_every_timed_call_starts_from_evicted_caches(monkeypatch):
+    """The tiles are chosen on a step's memory behaviour: each timed call runs right after the caches were
+    evicted, never after another call left its inputs there."""
+    events = []
+
+    class Flusher:
+        def __call__(self):
+            events.append("flush")
+
+    monkeypatch.setattr(cpu_tuning, "CacheFlusher", Flusher)
+    monkeypatch.setattr(cpu_tuning, "timed", lambda call: events.append("call") or 1.0)
+    monkeypatch.setattr(tree_reach, "measure_reach", lambda shape: (4, {}))
+    cpu_tuning.measure(SMALL)
+    assert events.count("call") > len(cpu_tuning.CANDIDATES)
+    assert events == ["flush", "call"] * events.count("call")
 
 
 def test_ensure_tuned_measures_once_caches_and_reuses_the_file(monkeypatch, caplog):

@@ -119,6 +119,7 @@ import torch.nn.functional as F
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.kernels import cpu_tuning, ops
+from vllm_chunkattn.kernels.cpu_info import CacheFlusher
 from vllm_chunkattn.prefix.plan import DecodeShape
 from vllm_chunkattn.kernels.layout import split_kv
 from vllm_chunkattn.prefix import tree
@@ -350,18 +351,6 @@ def memory_available_bytes() -> int:
 
 
 _CLOCK: Callable[[], float] = time.perf_counter
-
-
-class CacheFlusher:
-    """Evicts the caches by writing a buffer of twice their total size (at least 64 MiB)."""
-
-    def __init__(self, machine_record: dict):
-        caches = machine_record.get("caches", {})
-        total = sum(c["kib"] * c["instances"] for name, c in caches.items() if name != "L1d") * 1024
-        self.buffer = torch.zeros(max(64 << 20, 2 * total), dtype=torch.uint8)
-
-    def __call__(self) -> None:
-        self.buffer.add_(1)
 
 
 def measure(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
@@ -1227,7 +1216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: load average {os.getloadavg()} on {os.cpu_count()} cores: other processes share the "
               f"machine, timings will be noisy", flush=True)
 
-    flush = None if args.warm else CacheFlusher(machine_record)
+    flush = None if args.warm else CacheFlusher(machine_record.get("caches", {}))
     planned = plan(grids, dtypes, args.quick, args.sliding_window, args.sinks, args.head_size)
     progress = Progress([point_roofline(p.point, rates, True, machine_record, unshared=True).bound_ms
                          for p in planned])

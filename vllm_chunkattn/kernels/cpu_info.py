@@ -3,7 +3,8 @@
 `cpu_description()` is read from /proc/cpuinfo and sysfs. It keys the CPU
 tuning cache (`cpu_tuning.py`: tile sizes measured on one CPU are not valid on
 another) and is the CPU part of every benchmark's machine record
-(`vllm_chunkattn.bench.machine`).
+(`vllm_chunkattn.bench.machine`). `CacheFlusher` evicts its caches before a
+timed call (the tile tuning's and the kernel benchmark's).
 """
 
 from __future__ import annotations
@@ -67,6 +68,25 @@ def _size_kib(text: str) -> int:
     if not match:
         raise ValueError(f"cache size {text!r}")
     return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2)] // 1024
+
+
+class CacheFlusher:
+    """Evicts the caches by writing a buffer of twice their total size (L2 and up, at least 64 MiB).
+
+    Timing a kernel after it leaves its inputs where serving does: between two
+    calls of a layer, the other layers' weights and KV pass through the caches,
+    so a step finds its KV in memory, not in the L3. Kernel parameters chosen on
+    warm caches can be the wrong ones there (how far ahead to prefetch)."""
+
+    def __init__(self, caches: dict[str, dict[str, int]] | None = None):
+        import torch
+
+        caches = cache_sizes(os.cpu_count() or 1) if caches is None else caches
+        total = sum(c["kib"] * c["instances"] for name, c in caches.items() if name != "L1d") * 1024
+        self.buffer = torch.zeros(max(64 << 20, 2 * total), dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1)
 
 
 def cache_sizes(online_cpus: int) -> dict[str, dict[str, int]]:

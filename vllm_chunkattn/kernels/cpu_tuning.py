@@ -26,9 +26,12 @@ measured too, with the tiles chosen, as `ShapeTuning.tree_max_rows_per_kv_head`
 keyed by the CPU (`cpu_info.cpu_description()`), the kernel build (a hash of
 the compiled library), the shape and the reach probe's batch; without one, it measures: coordinate
 descent over `CANDIDATES`, each parameter timed on the synthetic workloads it
-affects (`WORKLOADS`), candidates interleaved in rotating order, a change kept
+affects (`WORKLOADS`) with the caches evicted before each call (as a serving
+step finds them: the other layers' weights and KV pass through in between;
+measured warm, a Zen 3 chose the prefetch pace that is 1.17x slower from
+memory), candidates interleaved in rotating order, a change kept
 only if it beats the current value by `MIN_GAIN`; then, with those tiles, the
-tree path's reach. That takes seconds (10 to 30 on a 2-core Zen 3);
+tree path's reach. That takes seconds (12 to 35 on a 2-core Zen 3);
 the result goes to the cache file and into the kernels, and is logged once.
 A cache file that cannot be read or does not match is measured again; the
 values change speed only, never results.
@@ -51,7 +54,7 @@ from pathlib import Path
 import torch
 
 from vllm_chunkattn import _C
-from vllm_chunkattn.kernels.cpu_info import cpu_description
+from vllm_chunkattn.kernels.cpu_info import CacheFlusher, cpu_description
 from vllm_chunkattn.kernels import tree_reach
 from vllm_chunkattn.kernels.support import CPU, tree_max_query_len
 from vllm_chunkattn.kernels.tree_reach import blocks, interleaved_timings, random_cache, shared_prefix_batch, timed
@@ -83,7 +86,7 @@ REPEATS = 5
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 _DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
@@ -257,28 +260,34 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
 
 
 def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
-                     calls: list[Callable[[], None]]) -> dict[int, float]:
-    """Per candidate value of `name`: the sum over `calls` of each call's median time relative to the
-    first candidate's."""
+                     calls: list[Callable[[], None]], flush: Callable[[], None]) -> dict[int, float]:
+    """Per candidate value of `name`: the sum over `calls` of each call's fastest time relative to the
+    first candidate's, each call timed after `flush` has evicted the caches (from the same state every
+    time, a call is only ever slowed by what else the machine does, so the fastest is the least noisy)."""
 
     def run(value: int) -> list[float]:
         dataclasses.replace(base, **{name: value}).apply()
-        return [timed(call) for call in calls]
+        times = []
+        for call in calls:
+            flush()
+            times.append(timed(call))
+        return times
 
-    medians = interleaved_timings(list(candidates), run, REPEATS)
-    first = medians[candidates[0]]
-    return {c: sum(t / t0 for t, t0 in zip(medians[c], first)) for c in candidates}
+    fastest = interleaved_timings(list(candidates), run, REPEATS, min)
+    first = fastest[candidates[0]]
+    return {c: sum(t / t0 for t, t0 in zip(fastest[c], first)) for c in candidates}
 
 
 def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
     """Coordinate descent from the default tiles, then the tree path's reach with the tiles chosen
     (module docstring). Returns the tuning and, per parameter, each candidate's relative time."""
     calls = workloads(shape)
+    flush = CacheFlusher()
     best = CpuTuning()
     measured: dict[str, dict[str, float]] = {}
     try:
         for name, candidates in CANDIDATES.items():
-            cost = _time_candidates(name, candidates, best, [calls[w] for w in WORKLOADS[name]])
+            cost = _time_candidates(name, candidates, best, [calls[w] for w in WORKLOADS[name]], flush)
             measured[name] = {str(c): round(v, 4) for c, v in cost.items()}
             now = getattr(best, name)
             winner = min(cost, key=cost.get)
