@@ -403,3 +403,14 @@ def test_head_size_replaces_the_grids_and_leaves_the_serving_models_own():
     assert by_grid["offline"] == {kernel.plan(["offline"], ["fp32"], quick=False)[0].point.head_dim} == {128}
     assert all("d=64" in p.label() for p in planned if p.grid not in kernel.MODEL_GRIDS)
     assert {p.point.head_dim for p in kernel.plan(["table3"], ["fp32"], quick=False)} == {kernel.DEFAULT_HEAD_SIZE}
+
+
+def test_outer_cache_bytes_counts_every_instance_beyond_l1d():
+    caches = {"L1d": {"kib": 32, "instances": 2}, "L2": {"kib": 512, "instances": 2},
+              "L3": {"kib": 32768, "instances": 1}}
+    assert cpu_info.outer_cache_bytes(caches) == (2 * 512 + 32768) * 1024
+    assert cpu_info.outer_cache_bytes({"L1d": {"kib": 48, "instances": 1}}) == 0
+    # The bandwidth probe's buffer outgrows them by 8x, and is never under 1 GiB.
+    assert machine.read_buffer_bytes({"caches": caches}) == 1 << 30
+    huge = {"L3": {"kib": 256 << 10, "instances": 1}}
+    assert machine.read_buffer_bytes({"caches": huge}) == 8 * (256 << 20)

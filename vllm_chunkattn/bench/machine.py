@@ -29,7 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_chunkattn.kernels.cpu_info import cpu_description
+from vllm_chunkattn.kernels.cpu_info import cpu_description, outer_cache_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -219,8 +219,7 @@ class MachineRates:
 
 def read_buffer_bytes(machine: dict) -> int:
     """A buffer far larger than the last-level cache: 8x all of L3 (and L2), at least 1 GiB."""
-    total_kib = sum(c["kib"] * c["instances"] for name, c in machine.get("caches", {}).items() if name != "L1d")
-    return max(1 << 30, 8 * total_kib * 1024)
+    return max(1 << 30, 8 * outer_cache_bytes(machine.get("caches", {})))
 
 
 def measure_rates(threads: int, machine: dict, quick: bool = False) -> MachineRates:

@@ -82,11 +82,16 @@ class CacheFlusher:
         import torch
 
         caches = cache_sizes(os.cpu_count() or 1) if caches is None else caches
-        total = sum(c["kib"] * c["instances"] for name, c in caches.items() if name != "L1d") * 1024
-        self.buffer = torch.zeros(max(64 << 20, 2 * total), dtype=torch.uint8)
+        self.buffer = torch.zeros(max(64 << 20, 2 * outer_cache_bytes(caches)), dtype=torch.uint8)
 
     def __call__(self) -> None:
         self.buffer.add_(1)
+
+
+def outer_cache_bytes(caches: dict[str, dict[str, int]]) -> int:
+    """Bytes of all caches beyond L1d (every instance of L2 and up): what a buffer must outgrow to be read
+    from memory, or to leave nothing of a kernel's inputs cached."""
+    return sum(c["kib"] * c["instances"] for name, c in caches.items() if name != "L1d") * 1024
 
 
 def cache_sizes(online_cpus: int) -> dict[str, dict[str, int]]:
