@@ -6,6 +6,7 @@ That every tuning gives the same results is tested with the kernels
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 
@@ -60,15 +61,32 @@ def test_values_outside_the_limits_are_refused_and_change_nothing(field):
         assert cpu_tuning.current() == before
 
 
+def test_the_search_steps_cover_every_parameter_once():
+    searched = [name for names in cpu_tuning.SEARCH_STEPS for name in names]
+    assert sorted(searched) == sorted(cpu_tuning.CANDIDATES)
+
+
 def test_measure_picks_candidates_applies_them_and_records_every_candidate():
     tuning, measured = cpu_tuning.measure(SMALL)
     assert cpu_tuning.current() == tuning.tiles
-    for name, candidates in cpu_tuning.CANDIDATES.items():
-        assert getattr(tuning.tiles, name) in candidates
-        assert set(measured[name]) == {str(c) for c in candidates}
-        assert all(v > 0 for v in measured[name].values())
-        # The first candidate is the unit of the relative times.
-        assert measured[name][str(candidates[0])] == pytest.approx(len(cpu_tuning.WORKLOADS[name]))
+    for names in cpu_tuning.SEARCH_STEPS:
+        step = cpu_tuning.step_name(names)
+        every = {cpu_tuning.candidate_name(c) for c in itertools.product(*(cpu_tuning.CANDIDATES[n] for n in names))}
+        default = cpu_tuning.candidate_name(tuple(getattr(cpu_tuning.CpuTuning(), n) for n in names))
+        workloads = len({w for n in names for w in cpu_tuning.WORKLOADS[n]})
+        first_round = measured.get(f"{step} (first round)", measured[step])
+        assert set(first_round) == every
+        if len(every) > cpu_tuning.FINALISTS:
+            # The finalists: the default and the FINALISTS fastest of the first round, timed again.
+            assert len(measured[step]) == cpu_tuning.FINALISTS + 1 and set(measured[step]) <= every
+            finalists = set(measured[step]) - {default}
+            others = set(first_round) - finalists - {default}
+            assert max(first_round[c] for c in finalists) <= min(first_round[c] for c in others)
+        for costs in (first_round, measured[step]):
+            assert all(v > 0 for v in costs.values())
+            # The value the step started from is the unit of the relative times.
+            assert costs[default] == pytest.approx(workloads)
+        assert cpu_tuning.candidate_name(tuple(getattr(tuning.tiles, n) for n in names)) in measured[step]
     # The reach: q x group for doubling q, up to the first q where the tree path lost.
     reach = measured["tree_max_rows_per_kv_head"]
     timed = sorted(int(rows) for rows in reach)
@@ -81,20 +99,49 @@ def test_a_change_needs_min_gain(monkeypatch):
     """A candidate within MIN_GAIN of the current value does not replace it (noise never moves the defaults)."""
     default = cpu_tuning.CpuTuning()
 
-    def timed(name, candidates, base, calls, flush):
+    def timed(names, candidates, base, calls, flush, repeats):
         # Every other candidate 2% faster than the default: not enough.
-        return {c: 1.0 if c == getattr(default, name) else 0.98 for c in candidates}
+        now = tuple(getattr(default, n) for n in names)
+        return {c: 1.0 if c == now else 0.98 for c in candidates}
 
     monkeypatch.setattr(cpu_tuning, "_time_candidates", timed)
     monkeypatch.setattr(tree_reach, "measure_reach", lambda shape: (4, {}))
     assert cpu_tuning.measure(SMALL)[0] == cpu_tuning.ShapeTuning(default, 4)
 
-    def much_faster(name, candidates, base, calls, flush):
-        return {c: 1.0 if c != candidates[-1] else 0.5 for c in candidates}
+    def much_faster(names, candidates, base, calls, flush, repeats):
+        last = tuple(cpu_tuning.CANDIDATES[n][-1] for n in names)
+        return {c: 0.5 if c == last else 1.0 for c in candidates}
 
     monkeypatch.setattr(cpu_tuning, "_time_candidates", much_faster)
     assert cpu_tuning.measure(SMALL)[0].tiles == cpu_tuning.CpuTuning(**{n: c[-1] for n, c in
                                                                         cpu_tuning.CANDIDATES.items()})
+
+
+def test_tile_keys_and_prefetch_pace_are_searched_jointly(monkeypatch):
+    """A cost surface where the best pair lies off both axes through the default: one parameter after
+    the other would stop at (256 keys, its default pace); the joint step finds (128 keys, spread 8), and
+    the finalists are timed again with more repeats."""
+    default = cpu_tuning.CpuTuning()
+    rounds = []
+
+    def timed(names, candidates, base, calls, flush, repeats):
+        rounds.append((names, list(candidates), repeats))
+        if names != ("lanes_tile_keys", "lanes_prefetch_spread"):
+            return {c: 1.0 for c in candidates}
+        costs = {(256, default.lanes_prefetch_spread): 0.8, (128, 8): 0.6}
+        return {c: costs.get(c, 1.0) for c in candidates}
+
+    monkeypatch.setattr(cpu_tuning, "_time_candidates", timed)
+    monkeypatch.setattr(tree_reach, "measure_reach", lambda shape: (4, {}))
+    tiles = cpu_tuning.measure(SMALL)[0].tiles
+    assert (tiles.lanes_tile_keys, tiles.lanes_prefetch_spread) == (128, 8)
+    joint = [r for r in rounds if r[0] == ("lanes_tile_keys", "lanes_prefetch_spread")]
+    assert [repeats for _, _, repeats in joint] == [cpu_tuning.SCREEN_REPEATS, cpu_tuning.FINAL_REPEATS]
+    now = (default.lanes_tile_keys, default.lanes_prefetch_spread)
+    assert len(joint[0][1]) == len(cpu_tuning.CANDIDATES["lanes_tile_keys"]) * len(
+        cpu_tuning.CANDIDATES["lanes_prefetch_spread"])
+    assert joint[1][1][0] == now and {(128, 8), (256, default.lanes_prefetch_spread)} <= set(joint[1][1])
+    assert len(joint[1][1]) == cpu_tuning.FINALISTS + 1
 
 
 def test_every_timed_call_starts_from_evicted_caches(monkeypatch):

@@ -25,13 +25,15 @@ measured too, with the tiles chosen, as `ShapeTuning.tree_max_rows_per_kv_head`
 (the metadata builder calls it). It reads the values from a cache file
 keyed by the CPU (`cpu_info.cpu_description()`), the kernel build (a hash of
 the compiled library), the shape and the reach probe's batch; without one, it measures: coordinate
-descent over `CANDIDATES`, each parameter timed on the synthetic workloads it
-affects (`WORKLOADS`) with the caches evicted before each call (as a serving
+descent over `CANDIDATES` in `SEARCH_STEPS` (the lanes tile's keys and prefetch
+pace jointly), each step timed on the synthetic workloads its parameters
+affect (`WORKLOADS`) with the caches evicted before each call (as a serving
 step finds them: the other layers' weights and KV pass through in between;
 measured warm, a Zen 3 chose the prefetch pace that is 1.17x slower from
-memory), candidates interleaved in rotating order, a change kept
+memory), candidates interleaved in rotating order, a step of many candidates
+timed again on its `FINALISTS` with more repeats, a change kept
 only if it beats the current value by `MIN_GAIN`; then, with those tiles, the
-tree path's reach. That takes seconds (12 to 35 on a 2-core Zen 3);
+tree path's reach. That takes seconds (13 to 33 on a 2-core Zen 4);
 the result goes to the cache file and into the kernels, and is logged once.
 A cache file that cannot be read or does not match is measured again; the
 values change speed only, never results.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -81,12 +84,28 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     "decode_qk_inline": ("shared_decode",),
     "lanes_prefetch_spread": ("prefill", "shared_decode", "small_node_decode"),
 }
+# The order of the coordinate descent; parameters in one step are searched jointly. The tile's keys and
+# its prefetch pace act together (how much the tile holds, how gently it asks for the next): searched
+# one after the other, a Zen 3 stopped at 256 keys and spread 1 where 128 keys at spread 8 was up to
+# 1.25x faster.
+SEARCH_STEPS: tuple[tuple[str, ...], ...] = (
+    ("prefill_tile_rows",),
+    ("lanes_tile_keys", "lanes_prefetch_spread"),
+    ("prefetch_distance",),
+    ("decode_qk_inline",),
+)
 MIN_GAIN = 0.03  # a candidate must be this much faster than the current value to replace it
 REPEATS = 5
+# A step of more candidates than FINALISTS screens them all with SCREEN_REPEATS, then times the FINALISTS
+# fastest and the current value again with FINAL_REPEATS: of many candidates whose costs lie within their
+# noise, the fastest of one round is often only the luckiest.
+FINALISTS = 4
+SCREEN_REPEATS = 3
+FINAL_REPEATS = 8
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 _DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
@@ -259,40 +278,57 @@ def workloads(shape: DecodeShape) -> dict[str, Callable[[], None]]:
     return calls
 
 
-def _time_candidates(name: str, candidates: tuple[int, ...], base: CpuTuning,
-                     calls: list[Callable[[], None]], flush: Callable[[], None]) -> dict[int, float]:
-    """Per candidate value of `name`: the sum over `calls` of each call's fastest time relative to the
+def step_name(names: tuple[str, ...]) -> str:
+    return "+".join(names)
+
+
+def candidate_name(values: tuple[int, ...]) -> str:
+    return "/".join(map(str, values))
+
+
+def _time_candidates(names: tuple[str, ...], candidates: list[tuple[int, ...]], base: CpuTuning,
+                     calls: list[Callable[[], None]], flush: Callable[[], None], repeats: int) -> dict:
+    """Per candidate (values of `names`): the sum over `calls` of each call's fastest time relative to the
     first candidate's, each call timed after `flush` has evicted the caches (from the same state every
     time, a call is only ever slowed by what else the machine does, so the fastest is the least noisy)."""
 
-    def run(value: int) -> list[float]:
-        dataclasses.replace(base, **{name: value}).apply()
+    def run(values: tuple[int, ...]) -> list[float]:
+        dataclasses.replace(base, **dict(zip(names, values))).apply()
         times = []
         for call in calls:
             flush()
             times.append(timed(call))
         return times
 
-    fastest = interleaved_timings(list(candidates), run, REPEATS, min)
+    fastest = interleaved_timings(candidates, run, repeats, min)
     first = fastest[candidates[0]]
     return {c: sum(t / t0 for t, t0 in zip(fastest[c], first)) for c in candidates}
 
 
 def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
-    """Coordinate descent from the default tiles, then the tree path's reach with the tiles chosen
-    (module docstring). Returns the tuning and, per parameter, each candidate's relative time."""
+    """Coordinate descent from the default tiles over SEARCH_STEPS, then the tree path's reach with the
+    tiles chosen (module docstring). Returns the tuning and, per step, each candidate's relative time
+    (for a step with finalists, also the first round's)."""
     calls = workloads(shape)
     flush = CacheFlusher()
     best = CpuTuning()
     measured: dict[str, dict[str, float]] = {}
     try:
-        for name, candidates in CANDIDATES.items():
-            cost = _time_candidates(name, candidates, best, [calls[w] for w in WORKLOADS[name]], flush)
-            measured[name] = {str(c): round(v, 4) for c, v in cost.items()}
-            now = getattr(best, name)
+        for names in SEARCH_STEPS:
+            now = tuple(getattr(best, n) for n in names)
+            candidates = [now] + [c for c in itertools.product(*(CANDIDATES[n] for n in names)) if c != now]
+            step_calls = [calls[w] for w in dict.fromkeys(w for n in names for w in WORKLOADS[n])]
+            screen = len(candidates) > FINALISTS
+            cost = _time_candidates(names, candidates, best, step_calls, flush, SCREEN_REPEATS if screen else REPEATS)
+            if screen:
+                measured[f"{step_name(names)} (first round)"] = {candidate_name(c): round(v, 4)
+                                                                 for c, v in cost.items()}
+                finalists = [now] + [c for c in sorted(cost, key=cost.get) if c != now][:FINALISTS]
+                cost = _time_candidates(names, finalists, best, step_calls, flush, FINAL_REPEATS)
+            measured[step_name(names)] = {candidate_name(c): round(v, 4) for c, v in cost.items()}
             winner = min(cost, key=cost.get)
             if cost[winner] < cost[now] * (1.0 - MIN_GAIN):
-                best = dataclasses.replace(best, **{name: winner})
+                best = dataclasses.replace(best, **dict(zip(names, winner)))
     finally:
         best.apply()
     reach, measured["tree_max_rows_per_kv_head"] = tree_reach.measure_reach(shape)
