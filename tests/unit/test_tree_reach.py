@@ -51,6 +51,28 @@ def test_the_reach_stops_at_the_first_loss(monkeypatch, device, gains, reach):
     assert measured == {str(SMALL.group * q): g for q, g in zip(timed, gains)}
 
 
+def test_on_cpu_every_timed_call_starts_from_evicted_caches(monkeypatch):
+    """As the tile tuner and the relay grid time: a serving step finds its KV in memory, not in the L3."""
+    events = []
+
+    class Flusher:
+        def __call__(self):
+            events.append("flush")
+
+    def fake_timed(call, device):
+        events.append("call " + call())
+        return {"tree": 1.0, "per_request": 2.0}[call()]
+
+    monkeypatch.setattr(tree_reach, "CacheFlusher", Flusher)
+    monkeypatch.setattr(tree_reach, "timed", fake_timed)
+    monkeypatch.setattr(tree_reach, "tree_paths", lambda shape, q, device: {p: (lambda p=p: p) for p in
+                                                                           ("tree", "per_request")})
+    assert tree_reach.tree_gain(SMALL, 2) == 2.0
+    calls = [e for e in events if e != "flush"]
+    assert len(calls) == 2 * (tree_reach.CPU_PROBE.repeats + 1)  # both paths, a warm-up pass and the repeats
+    assert events == [x for call in calls for x in ("flush", call)]
+
+
 def test_both_probes_are_the_relay_grids_shape():
     """The tree path's gain grows with the requests that share a chunk, so the reach is timed on the batch
     the relay grids measure (bench/kernel.py on CPU, bench/kernel_gpu.py on CUDA): 32 requests, 2048 shared

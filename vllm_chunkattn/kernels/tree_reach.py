@@ -14,7 +14,8 @@ same synthetic batch (`Probe`: the relay grid's 32 requests behind a shared
 prefix of 2048 tokens, each with 128 private tokens and q new ones), for
 q = 2, 4, 8, ... while q x group is at most `Probe.max_rows_per_kv_head`; the
 reach is the last q x group up to which the tree path's fastest call was at
-least as fast as the per-request path's, at every q. The tree path is planned
+least as fast as the per-request path's, at every q (on CPU each call timed
+from evicted caches). The tree path is planned
 by the engine's own StepPlanner, with the platform's rule for a request's own
 node. On CPU this runs inside the tile tuning (kernels/cpu_tuning.py, 1 to 15 s
 per shape, cached on disk); on CUDA it takes about a second per shape and is
@@ -32,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_chunkattn.kernels.cpu_info import CacheFlusher
 from vllm_chunkattn.kernels.support import for_platform
 from vllm_chunkattn.prefix.plan import DecodeShape
 
@@ -148,10 +150,17 @@ def tree_gain(shape: DecodeShape, query_len: int, device: torch.device = torch.d
     """The per-request prefill's fastest call over the tree path's on tree_paths(shape, query_len, device).
     Minima, not medians: on a shared 2-core VM the median gain of fp32 32/8 heads at 16 rows per KV head
     ranged 0.98x to 1.17x over six probes and the minimum 1.06x to 1.12x (the relay grid: 1.14x); what other
-    tenants take from one call says nothing about which path is faster."""
+    tenants take from one call says nothing about which path is faster. On CPU each call starts from evicted
+    caches, as a serving step finds its KV (and as the tile tuner and the relay grid time): warm, a GQA
+    probe's KV (25 MiB for fp32 16/4 heads) sits in the L3 and the paths' memory traffic is not compared."""
     paths = tree_paths(shape, query_len, device)
-    fastest = interleaved_timings(list(paths), lambda path: [timed(paths[path], device)],
-                                  probe_for(device).repeats, statistic=min)
+    flush = CacheFlusher() if device.type == "cpu" else (lambda: None)
+
+    def run(path: str) -> list[float]:
+        flush()
+        return [timed(paths[path], device)]
+
+    fastest = interleaved_timings(list(paths), run, probe_for(device).repeats, statistic=min)
     return fastest["per_request"][0] / fastest["tree"][0]
 
 
