@@ -176,13 +176,21 @@ def test_ensure_tuned_measures_once_caches_and_reuses_the_file(monkeypatch, capl
     assert record["key"]["shape"]["dtype"] == "float32" and record["key"]["kernel_build"] == cpu_tuning.kernel_build()
     logged = [r.getMessage() for r in caplog.records if "chunkattn CPU kernels" in r.getMessage()]
     assert len(logged) == 1 and "measured in" in logged[0] and first.describe() in logged[0]
+    # The pause at engine start is announced before it, once.
+    messages = [r.getMessage() for r in caplog.records]
+    announced = [i for i, m in enumerate(messages) if "measuring the CPU kernels' tile parameters" in m]
+    assert len(announced) == 1 and SMALL.describe() in messages[announced[0]]
+    assert announced[0] < messages.index(logged[0])
 
     # A new process: read from the file, not measured.
     monkeypatch.setattr(cpu_tuning, "_tuned", {})
     _forbid_measuring(monkeypatch)
     cpu_tuning.CpuTuning(prefill_tile_rows=8, lanes_tile_keys=16, prefetch_distance=4).apply()
-    assert cpu_tuning.ensure_tuned(SMALL) == first
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.chunkattn"):
+        assert cpu_tuning.ensure_tuned(SMALL) == first
     assert cpu_tuning.current() == first.tiles
+    assert not any("measuring" in r.getMessage() for r in caplog.records)
 
 
 def test_the_key_separates_shapes_and_dtypes():

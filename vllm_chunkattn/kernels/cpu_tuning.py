@@ -358,6 +358,10 @@ def ensure_tuned(shape: DecodeShape) -> ShapeTuning:
     if tuning is not None:
         how = f"from {path}"
     else:
+        # Up to a minute on a small CPU, before the engine serves: say what the pause is.
+        logger.info("chunkattn: measuring the CPU kernels' tile parameters for %s on this CPU (once per CPU, "
+                    "kernel build and layer shape: seconds to a minute; %s=default skips it).",
+                    shape.describe(), ENV_VAR)
         start = time.perf_counter()
         tuning, measured = measure(shape)
         seconds = time.perf_counter() - start
