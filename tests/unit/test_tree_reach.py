@@ -38,8 +38,8 @@ def test_the_two_paths_of_the_reach_measurement_agree():
 def test_the_reach_stops_at_the_first_loss(monkeypatch, device, gains, reach):
     timed = []
 
-    def gain(shape, query_len, on):
-        assert on == device
+    def gain(shape, query_len, on, flush):
+        assert on == device and callable(flush)
         timed.append(query_len)
         return gains[len(timed) - 1]
 

@@ -146,15 +146,24 @@ def tree_paths(shape: DecodeShape, query_len: int,
 # ---------------------------------------------------------------- the measurement
 
 
-def tree_gain(shape: DecodeShape, query_len: int, device: torch.device = torch.device("cpu")) -> float:
+def evict_caches(device: torch.device) -> Callable[[], None]:
+    """What to call before each timed call on `device`: on CPU a cache eviction (its buffer is allocated
+    here, once per search), on CUDA nothing."""
+    return CacheFlusher() if device.type == "cpu" else (lambda: None)
+
+
+def tree_gain(shape: DecodeShape, query_len: int, device: torch.device = torch.device("cpu"),
+              flush: Callable[[], None] | None = None) -> float:
     """The per-request prefill's fastest call over the tree path's on tree_paths(shape, query_len, device).
     Minima, not medians: on a shared 2-core VM the median gain of fp32 32/8 heads at 16 rows per KV head
     ranged 0.98x to 1.17x over six probes and the minimum 1.06x to 1.12x (the relay grid: 1.14x); what other
     tenants take from one call says nothing about which path is faster. On CPU each call starts from evicted
     caches, as a serving step finds its KV (and as the tile tuner and the relay grid time): warm, a GQA
-    probe's KV (25 MiB for fp32 16/4 heads) sits in the L3 and the paths' memory traffic is not compared."""
+    probe's KV (25 MiB for fp32 16/4 heads) sits in the L3 and the paths' memory traffic is not compared.
+    `flush`: the eviction to call (default: evict_caches(device)), so that a search builds its buffer once."""
     paths = tree_paths(shape, query_len, device)
-    flush = CacheFlusher() if device.type == "cpu" else (lambda: None)
+    if flush is None:
+        flush = evict_caches(device)
 
     def run(path: str) -> list[float]:
         flush()
@@ -168,10 +177,11 @@ def measure_reach(shape: DecodeShape, device: torch.device = torch.device("cpu")
     """The most query rows per KV head (q x group for q = 1, 2, 4, ...) up to which the tree path was at
     least as fast as the per-request prefill at every q on `device`, with the kernels as they are set now;
     and, per q x group timed, the per-request time over the tree path's."""
+    flush = evict_caches(device)
     reach, measured = shape.group, {}
     query_len = 2
     while query_len * shape.group <= probe_for(device).max_rows_per_kv_head:
-        gain = tree_gain(shape, query_len, device)
+        gain = tree_gain(shape, query_len, device, flush)
         measured[str(query_len * shape.group)] = round(gain, 4)
         if gain < 1.0:
             break
