@@ -40,24 +40,32 @@ void parallel_items(int64_t num_items, const F& fn) {
   });
 }
 
-// parallel_items, where each thread claims its next item before it runs the
-// current one: fn(i, next) knows the item it runs after i (next = -1 for its
-// last), so it can prefetch that item's inputs while computing this one.
-// Only for items that never wait on other items: a claimed item does not
-// start until its thread finishes the current one (tpp_decode's phase-2
-// items wait for phase-1 items, so it uses parallel_items).
+// parallel_items, where from item `first_with_next` on each thread claims its
+// next item before it runs the current one: fn(i, next) knows the item it runs
+// after i (next = -1 for its last, and for every item before
+// first_with_next), so it can prefetch that item's inputs while computing this
+// one. A claimed item does not start until its thread finishes the current
+// one, so an item may only wait on items numbered before first_with_next
+// (tpp_decode's phase-2 items wait for phase-1 items, which come first and are
+// claimed one at a time: claimed in pairs, one thread would take two of a big
+// node's splits, which are made one per thread).
 template <class F>
-void parallel_items_with_next(int64_t num_items, const F& fn) {
+void parallel_items_with_next(int64_t num_items, const F& fn, int64_t first_with_next = 0) {
   if (num_items <= 0) return;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
   if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t i = 0; i < num_items; ++i) fn(i, i + 1 < num_items ? i + 1 : -1);
+    for (int64_t i = 0; i < num_items; ++i) fn(i, i >= first_with_next && i + 1 < num_items ? i + 1 : -1);
     return;
   }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     while (i < num_items) {
+      if (i < first_with_next) {
+        fn(i, -1);
+        i = next.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
       fn(i, after < num_items ? after : -1);
       i = after;

@@ -31,6 +31,13 @@ struct KvView {
   int block_size;
 };
 
+// Keys [0, keys) of KV head `head` in cache block `block` (block -1: no tile).
+struct TileRef {
+  int32_t block = -1;
+  int head = 0;
+  int keys = 0;
+};
+
 struct AttnJob {
   const float* q;         // [rows, head_size], already multiplied by the softmax scale
   int rows;
@@ -62,6 +69,10 @@ struct AttnJob {
   // bias is relative to the row's own position, as vLLM's, so that it stays
   // small where the softmax weights are large whatever the context length.
   const float* alibi_slopes = nullptr;
+  // The first tile of the job its thread runs next, if the driver knows it:
+  // `direct` prefetches it as it would its own next tile, so a job of a few
+  // tiles (a request's short private context) does not start on a cold one.
+  TileRef after;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);

@@ -29,10 +29,12 @@
 //     Then the node partials are merged (equation 2) and the result
 //     normalised once and written in the output dtype.
 //   Both phases run in one parallel region on torch's intra-op pool: items are
-//   handed out through an atomic counter (parallel_items), all phase-1 items
-//   (costliest first) before the phase-2 ones; a phase-2 item attends its
-//   private chunks first and only then waits, on per-node counters, for the
-//   phase-1 items whose partials it merges.
+//   handed out through an atomic counter (parallel_items_with_next), all
+//   phase-1 items (costliest first) before the phase-2 ones; a phase-2 item
+//   attends its private chunks first and only then waits, on per-node
+//   counters, for the phase-1 items whose partials it merges. A thread claims
+//   its next phase-2 item before it runs the current one, whose last tiles
+//   prefetch the next one's first.
 //
 // Partial results live in a per-calling-thread scratch:
 //   o [num_kv_heads, slots, G, D], m, n [num_kv_heads, slots, G], where node k's
@@ -362,9 +364,11 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   const int64_t heads_per_item = plan.header.heads_per_item;
   const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
   const bool seq_direct = group <= kern.direct_max_rows;
-  auto sequence_first = [&](int64_t i) {
-    const int64_t b = plan.row_order[i / items_per_row];
-    const int32_t h0 = static_cast<int32_t>((i % items_per_row) * heads_per_item);
+  auto item_row = [&](int64_t i) { return plan.row_order[i / items_per_row]; };
+  auto item_head = [&](int64_t i) { return static_cast<int32_t>((i % items_per_row) * heads_per_item); };
+  auto sequence_first = [&](int64_t i, int64_t next) {
+    const int64_t b = item_row(i);
+    const int32_t h0 = item_head(i);
     const int64_t nh = std::min<int64_t>(heads_per_item, num_kv_heads - h0);
     const int64_t rows = nh * group;  // q heads h0*group .. (h0+nh)*group, in order
     cpu::DriverScratch& scr = cpu::driver_scratch();
@@ -380,6 +384,13 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
                 static_cast<int>(nh), scale};
     job.softcap = variant.logits_soft_cap;
+    if (next >= 0 && window <= 0) {  // a window may drop the next item's first chunks
+      const int64_t next_b = item_row(next);
+      const int64_t next_keys = lens[next_b] - static_cast<int64_t>(shc[next_b]) * block_size;
+      if (next_keys > 0)
+        job.after = {table[next_b * table_stride + shc[next_b]], item_head(next),
+                     static_cast<int>(std::min<int64_t>(next_keys, block_size))};
+    }
     // The row's window start and position (for ALiBi), relative to its first private key.
     float* row_args = scr.get(3, 2 * group);
     float* first_key = row_args;
@@ -432,11 +443,16 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // first), then phase-2 items, which compute their private part before
   // waiting for their partials. A second region would add a second fork/join,
   // whose cost is a scheduler delay whenever another process holds a core.
+  // A phase-2 item knows the one its thread runs next, whose first private tile
+  // its last tiles prefetch.
   const int64_t num_chunk_items = plan.header.num_items;
-  cpu::parallel_items(num_chunk_items + batch * items_per_row, [&](int64_t i) {
-    if (i < num_chunk_items) chunk_first(i);
-    else sequence_first(i - num_chunk_items);
-  });
+  cpu::parallel_items_with_next(
+      num_chunk_items + batch * items_per_row,
+      [&](int64_t i, int64_t next) {
+        if (i < num_chunk_items) chunk_first(i);
+        else sequence_first(i - num_chunk_items, next < 0 ? -1 : next - num_chunk_items);
+      },
+      num_chunk_items);
 }
 
 }  // namespace
