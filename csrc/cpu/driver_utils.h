@@ -19,30 +19,13 @@
 
 namespace chunkattn::cpu {
 
-// Runs fn(i) for i in [0, num_items) on torch's intra-op pool, handing items
-// out one at a time through an atomic counter. at::parallel_for alone splits
-// its range into equal contiguous parts, which balances badly when items
-// differ in cost; here callers order items costliest first and the threads
-// take the next one whenever they are free.
-template <class F>
-void parallel_items(int64_t num_items, const F& fn) {
-  if (num_items <= 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t i = 0; i < num_items; ++i) fn(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < num_items;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      fn(i);
-  });
-}
-
-// parallel_items, where from item `first_with_next` on each thread claims its
-// next item before it runs the current one: fn(i, next) knows the item it runs
-// after i (next = -1 for its last, and for every item before
+// Runs fn(i, next) for i in [0, num_items) on torch's intra-op pool, handing
+// items out through an atomic counter. at::parallel_for alone splits its range
+// into equal contiguous parts, which balances badly when items differ in cost;
+// here callers order items costliest first and the threads take the next one
+// whenever they are free. From item `first_with_next` on, each thread claims
+// its next item before it runs the current one: fn(i, next) knows the item it
+// runs after i (next = -1 for its last, and for every item before
 // first_with_next), so it can prefetch that item's inputs while computing this
 // one. A claimed item does not start until its thread finishes the current
 // one, so an item may only wait on items numbered before first_with_next
