@@ -1,5 +1,6 @@
 // AVX2 + FMA + F16C build of the attention tiles (see attention_tiles.inc).
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/partial_state.h"

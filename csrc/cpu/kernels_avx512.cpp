@@ -1,6 +1,7 @@
 // AVX-512 build of the attention tiles (see attention_tiles.inc). Selected at
 // run time by kernels.cpp only on CPUs that report avx512f.
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/partial_state.h"

@@ -3,6 +3,7 @@
 // float16 caches have nothing to gain from it and use the AVX-512 build.
 // Selected at run time by kernels.cpp only on CPUs that report avx512bf16.
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/partial_state.h"

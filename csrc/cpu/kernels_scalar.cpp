@@ -1,6 +1,7 @@
 // Portable build of the attention tiles (see attention_tiles.inc), for CPUs
 // without AVX2/FMA/F16C and as a cross-check of the vector builds.
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/partial_state.h"
