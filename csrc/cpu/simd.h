@@ -55,6 +55,15 @@ inline float bf16_to_float(c10::BFloat16 x) {
   return f;
 }
 
+// The permute that brings the sums of v[E0 .. E0 + J) from the lanes a
+// transposed reduction left them in (lane(e), sum_each) to lanes 0 .. J - 1.
+template <int W, int J, int E0, int (*lane)(int)>
+constexpr std::array<int, W> sums_to_front() {
+  std::array<int, W> a{};
+  for (int j = 0; j < J; ++j) a[j] = lane(E0 + j);
+  return a;
+}
+
 // ---------------------------------------------------------------------------
 // Portable fallback: 4 lanes as a GCC vector extension, lowered to whatever
 // the baseline target has (one SSE2 register on x86-64).
@@ -211,11 +220,7 @@ struct Avx2 {
   // direct tile's time with 4 rows on a Zen 4).
   template <int J, int E0>
   static inline void store_sums(float* p, reg x) {
-    static constexpr std::array<int, 8> lane = [] {
-      std::array<int, 8> a{};
-      for (int j = 0; j < J; ++j) a[j] = sum_lane(E0 + j);
-      return a;
-    }();
+    static constexpr std::array<int, W> lane = sums_to_front<W, J, E0, sum_lane>();
     store(p, _mm256_permutevar8x32_ps(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane.data()))));
   }
   static inline reg exp(reg x) {
@@ -319,11 +324,7 @@ struct Avx512 {
   }
   template <int J, int E0>
   static inline void store_sums(float* p, reg x) {
-    static constexpr std::array<int, 16> lane = [] {
-      std::array<int, 16> a{};
-      for (int j = 0; j < J; ++j) a[j] = sum_lane(E0 + j);
-      return a;
-    }();
+    static constexpr std::array<int, W> lane = sums_to_front<W, J, E0, sum_lane>();
     store(p, _mm512_permutexvar_ps(_mm512_loadu_si512(lane.data()), x));
   }
   static inline reg exp(reg x) {
