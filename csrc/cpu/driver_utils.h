@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/kernels.h"
 #include "cpu/scratch.h"
 
 #if defined(__x86_64__)
@@ -137,6 +138,20 @@ inline void stream_fence() {
 #if defined(__x86_64__)
   _mm_sfence();
 #endif
+}
+
+// The drivers' contract for query/out ([rows, num_heads, head_size], `rows` naming what a row is) and the
+// cache (csrc/chunkattn.h's layout).
+inline void check_query_out_cache(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                                  const char* rows) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(), "chunkattn: query and out must be [",
+              rows, ", num_heads, head_size] of the same shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "chunkattn: out dtype must match query dtype");
+  TORCH_CHECK(supports_dtype(query.scalar_type()), "chunkattn: the CPU kernels support query dtypes ",
+              supported_dtypes(), "; got ", query.scalar_type());
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
+              "chunkattn: kv_cache must be contiguous [num_blocks, num_kv_heads, block_size, 2*head_size]");
 }
 
 inline void check_int32_vector(const torch::Tensor& t, const char* name) {

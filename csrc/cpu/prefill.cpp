@@ -193,14 +193,7 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
                    const torch::Tensor& block_table, double scale, int64_t sliding_window,
                    double logits_soft_cap, const std::optional<torch::Tensor>& sinks,
                    const std::optional<torch::Tensor>& alibi_slopes) {
-  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes(),
-              "chunkattn: query and out must be [num_tokens, num_heads, head_size] of the same shape");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "chunkattn: query/out rows must be contiguous");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "chunkattn: out dtype must match query dtype");
-  TORCH_CHECK(cpu::supports_dtype(query.scalar_type()), "chunkattn: the CPU kernels support query dtypes ",
-              cpu::supported_dtypes(), "; got ", query.scalar_type());
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
-              "chunkattn: kv_cache must be contiguous [num_blocks, num_kv_heads, block_size, 2*head_size]");
+  cpu::check_query_out_cache(out, query, kv_cache, "num_tokens");
   TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "chunkattn: num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "chunkattn: block_table must be int32 [num_reqs, max_blocks] with contiguous rows");
