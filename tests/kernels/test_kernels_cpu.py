@@ -531,6 +531,34 @@ def test_paged_prefill_window_skips_the_chunks_no_token_sees(isa):
                   query, 0, ref, torch.float32, "paged_prefill window")
 
 
+@pytest.mark.parametrize(("bad", "message"), [
+    ("out_dtype", "out dtype must match query dtype"),
+    ("out_shape", r"query and out must be \[batch, num_heads, head_size\] of the same shape"),
+    ("cache_layout", r"kv_cache must be contiguous \[num_blocks, num_kv_heads, block_size, 2\*head_size\]"),
+])
+def test_both_drivers_refuse_a_bad_query_out_or_cache(bad, message):
+    """Decode and prefill state the query/out/cache contract once (driver_utils.h); each refuses a
+    violation with its message before touching memory."""
+    case = _one_big_node(batch=2, num_kv_heads=1, group=2, chunks=1, dtype=torch.float32)
+    query, kv = case["query"], case["kv_cache"]
+    plan = _plan(case, tree.prefix_tree(case["block_table"], case["seq_lens"], 64))
+    out = torch.empty_like(query)
+    if bad == "out_dtype":
+        out = out.to(torch.bfloat16)
+    elif bad == "out_shape":
+        out = out[:1]
+    else:
+        kv = torch.cat([kv, kv], dim=3)[..., : kv.shape[3]]  # the same shape, not contiguous
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.chunkattn.tpp_decode(out, query, kv, plan.block_table, plan.seq_lens,
+                                       *ops._context_arrays(plan.context), plan.work.header, plan.work.items,
+                                       plan.work.node_work, plan.work.partial_work, plan.work.row_order, 1.0, 0, 0.0,
+                                       None, None)
+    query_start_loc = torch.arange(3, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=message.replace("batch", "num_tokens")):
+        ops.paged_prefill(query, kv, query_start_loc, case["seq_lens"], case["block_table"], 1.0, out)
+
+
 def test_tpp_decode_rejects_unsupported_head_size():
     case = _one_big_node(batch=2, num_kv_heads=1, group=1, chunks=1, head_size=72)
     ctx = tree.prefix_tree(case["block_table"], case["seq_lens"], 64)
