@@ -13,7 +13,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_chunkattn.backend import ChunkAttentionMetadataBuilder
-from vllm_chunkattn.backend.stats import DecodeTotals, format_run_summary, parse_run_summaries, parse_step_trees
+from vllm_chunkattn.backend.stats import (DecodeTotals, format_run_summary, parse_run_summaries, parse_step_trees,
+                                          with_run_summary_time)
 from vllm_chunkattn.kernels import ops
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.testing import reference
@@ -213,6 +214,20 @@ def test_run_summary_reads_back():
     assert summary.mean_nodes == pytest.approx(9 / 7, abs=0.005)
     assert summary.served_once_share == pytest.approx(1234 / 5000)
     assert parse_run_summaries("CHUNK prefix tree: 5 decode steps, mean batch 2.0, ...") == []  # the periodic line
+
+
+def test_engines_started_to_read_the_run_summary_give_their_workers_time_to_log_it(monkeypatch):
+    """vLLM kills a worker 5 s after shutdown begins unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS says
+    otherwise, and the whole-run line is logged as the worker exits."""
+    from vllm_chunkattn.testing.server import VllmServer
+
+    key = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+    monkeypatch.delenv(key, raising=False)
+    assert int(with_run_summary_time({})[key]) > 5
+    assert with_run_summary_time({key: "7"})[key] == "7"  # the user's own value wins
+    assert int(VllmServer("model").env[key]) > 5
+    monkeypatch.setenv(key, "9")
+    assert VllmServer("model").env[key] == "9"
 
 
 def test_step_trees_are_logged_at_debug_level_and_read_back(caplog):

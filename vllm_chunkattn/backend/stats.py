@@ -86,6 +86,18 @@ _RUN_SUMMARY_PATTERN = re.compile(
 )
 
 
+# vLLM kills a worker that has not exited VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 by default) after shutdown
+# begins, and the whole-run line is logged as the worker exits: under load a worker's teardown can take longer,
+# and a killed worker never logs it. What starts an engine to read the line back sets this in its environment
+# (the user's own value wins).
+RUN_SUMMARY_ENV = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"}
+
+
+def with_run_summary_time(env: dict[str, str]) -> dict[str, str]:
+    """`env` with RUN_SUMMARY_ENV's values where it has none."""
+    return {**RUN_SUMMARY_ENV, **env}
+
+
 def format_run_summary(totals: DecodeTotals) -> str:
     return _RUN_SUMMARY.format(
         name=BACKEND_NAME, steps=totals.steps, mean_batch=totals.mean_batch, rows=totals.rows,

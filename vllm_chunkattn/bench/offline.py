@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_chunkattn import BACKEND_NAME
-from vllm_chunkattn.backend.stats import parse_run_summaries
+from vllm_chunkattn.backend.stats import parse_run_summaries, with_run_summary_time
 from vllm_chunkattn.bench import machine
 from vllm_chunkattn.testing.compare import compare_runs
 from vllm_chunkattn.testing.models import add_model_arguments
@@ -109,7 +109,7 @@ def run_one(args: argparse.Namespace, backend: str, round_: int, out_dir: Path) 
     started = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run(worker_command(args, backend, out), stdout=f, stderr=subprocess.STDOUT,
-                              timeout=args.run_timeout)
+                              timeout=args.run_timeout, env=with_run_summary_time(dict(os.environ)))
     text = log.read_text()
     if done.returncode != 0:
         raise SystemExit(f"{backend} run {round_} failed (exit {done.returncode}); the tail of {log}:\n{text[-4000:]}")

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from vllm_chunkattn.backend.stats import parse_run_summaries, parse_step_trees
+from vllm_chunkattn.backend.stats import parse_run_summaries, parse_step_trees, with_run_summary_time
 from vllm_chunkattn.kernels import cpu_tuning
 from vllm_chunkattn.testing.workload import WORKLOAD_ENGINE_SETTINGS
 
@@ -59,7 +59,7 @@ def run_workload(tmp_path_factory, name: str, backend: str, workload: str = "sha
         cmd += ["--num-blocks", str(num_blocks)]
     # Built-in CPU tuning: the tests assert which rows took the tree path, and
     # the reach the engine would measure (kernels/tree_reach.py) is the CPU's.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", cpu_tuning.ENV_VAR: "default"}
+    env = with_run_summary_time({**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", cpu_tuning.ENV_VAR: "default"})
     # One rank: the engine in the driver's process (the same engine code without
     # the engine-core process and its IPC), which starts in 4 s instead of 17.
     # The server tests and the parallel runs keep vLLM's processes.

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vllm_chunkattn.backend.stats import with_run_summary_time
 from vllm_chunkattn.metrics import METRICS_DIR_ENV
 
 
@@ -47,7 +48,8 @@ class VllmServer:
         self.port = free_port()
         self.log_path = Path(log_path or f"/tmp/vllm-serve-{self.port}.log")
         self.startup_timeout_s = startup_timeout_s
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})}
+        self.env = with_run_summary_time(
+            {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})})
         # A server collects its own workers' series (vllm_chunkattn/metrics.py), not
         # into the directory of this process, which may have loaded the plugin too.
         if METRICS_DIR_ENV not in (env or {}):
