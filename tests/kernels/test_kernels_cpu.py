@@ -550,10 +550,7 @@ def test_both_drivers_refuse_a_bad_query_out_or_cache(bad, message):
     else:
         kv = torch.cat([kv, kv], dim=3)[..., : kv.shape[3]]  # the same shape, not contiguous
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.chunkattn.tpp_decode(out, query, kv, plan.block_table, plan.seq_lens,
-                                       *ops._context_arrays(plan.context), plan.work.header, plan.work.items,
-                                       plan.work.node_work, plan.work.partial_work, plan.work.row_order, 1.0, 0, 0.0,
-                                       None, None)
+        ops.tpp_decode(query, kv, plan, 1.0, out)
     query_start_loc = torch.arange(3, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=message.replace("batch", "num_tokens")):
         ops.paged_prefill(query, kv, query_start_loc, case["seq_lens"], case["block_table"], 1.0, out)
