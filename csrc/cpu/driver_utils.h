@@ -58,7 +58,7 @@ void parallel_items_with_next(int64_t num_items, const F& fn, int64_t first_with
 }
 
 // The drivers' per-thread scratch (scratch.h).
-using DriverScratch = ScratchBuffers<6>;
+using DriverScratch = ScratchBuffers<8>;
 inline DriverScratch& driver_scratch() {
   static thread_local DriverScratch s;
   return s;

@@ -38,6 +38,30 @@ struct TileRef {
   int keys = 0;
 };
 
+// A run of cache lines to prefetch: `lines` lines from p.
+struct LineRun {
+  const char* p = nullptr;
+  int lines = 0;
+};
+
+// Memory-bound work that a compute-bound `lanes` call takes into its gaps:
+// the decode driver's sequence-first items (a request's private chunks, read
+// once for a few rows). Run after the shared nodes, they leave the FMAs idle
+// while they wait on memory, and the memory idle while the nodes compute;
+// taken in here, their lines are prefetched by the tile's register blocks
+// (after the next tile's) and they run from the caches between panels.
+struct GapWork {
+  // The next run of the pending work's lines, at most max_lines; empty when
+  // all are asked for or none is pending.
+  virtual LineRun next_lines(int max_lines) = 0;
+  // At a gap (after a lane pair's P.V): runs the pending work once all its
+  // lines are asked for, then takes the next.
+  virtual void in_gap() = 0;
+
+ protected:
+  ~GapWork() = default;
+};
+
 struct AttnJob {
   const float* q;         // [rows, head_size], already multiplied by the softmax scale
   int rows;
@@ -73,6 +97,8 @@ struct AttnJob {
   // `direct` prefetches it as it would its own next tile, so a job of a few
   // tiles (a request's short private context) does not start on a cold one.
   TileRef after;
+  // `lanes` only: work for its gaps (GapWork), or none.
+  GapWork* gap = nullptr;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);
