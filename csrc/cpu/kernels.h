@@ -45,11 +45,12 @@ struct LineRun {
 };
 
 // Memory-bound work that a compute-bound `lanes` call takes into its gaps:
-// the decode driver's sequence-first items (a request's private chunks, read
-// once for a few rows). Run after the shared nodes, they leave the FMAs idle
-// while they wait on memory, and the memory idle while the nodes compute;
-// taken in here, their lines are prefetched by the tile's register blocks
-// (after the next tile's) and they run from the caches between panels.
+// the decode driver's items of a few rows (a request's private chunks or its
+// own node, read once for a few rows). Run after the shared nodes, they leave
+// the FMAs idle while they wait on memory, and the memory idle while the
+// nodes compute; taken in here, their lines are prefetched by the tile's
+// register blocks (after the next tile's) and they run from the caches
+// between lane pairs.
 struct GapWork {
   // The next run of the pending work's lines, at most max_lines; empty when
   // all are asked for or none is pending.

@@ -28,15 +28,17 @@
 //     are walked chunk by chunk, so the reads stream through whole blocks.
 //     Then the node partials are merged (equation 2) and the result
 //     normalised once and written in the output dtype.
-//   A phase-2 item's private part needs no phase-1 result, and it is memory
-//     bound where phase 1 is compute bound: a phase-1 lanes call takes private
-//     parts of a chunk or more into its gaps (cpu::GapWork), a KV head at a
-//     time in phase-2 order. The tile's register blocks prefetch the head's
-//     lines between their FMAs, and it runs from the caches after the next
-//     lane pair's P.V; its item then only merges. On a Zen 4, fp32 decode of
-//     256 requests with GQA 4 behind a 2048-token prefix (129 private tokens
-//     each) took 4 to 6% less time; bf16 tiles, whose S^T blocks take no
-//     prefetches, keep their gaps empty.
+//   Work in the gaps: a phase-1 item of a few rows (a request's own node) and
+//     a phase-2 item's private part are memory bound where a phase-1 lanes
+//     call is compute bound, and neither waits on anything (the private part
+//     needs no phase-1 result). So a lanes call takes such items into its
+//     gaps (cpu::GapWork), one at a time in handout order and a KV head at a
+//     time: the tile's register blocks prefetch the head's lines between
+//     their FMAs, and it runs from the caches after the next lane pair's
+//     P.V. A phase-2 item whose private part was taken so only merges. On a
+//     Zen 4, fp32 decode of 256 requests with GQA 4 behind a 2048-token
+//     prefix (129 private tokens each) took 4 to 6% less time; bf16 tiles,
+//     whose S^T blocks take no prefetches, keep their gaps empty.
 //   Both phases run in one parallel region on torch's intra-op pool: items are
 //   handed out through an atomic counter (parallel_items_with_next), all
 //   phase-1 items (costliest first) before the phase-2 ones; a phase-2 item
@@ -81,33 +83,39 @@ constexpr double kKeyReadCost = 16.0;
 // Phase-1 items per thread to aim for when splitting nodes.
 constexpr int kItemsPerThread = 4;
 
-// Who computes each sequence-first item's private part (its rows against its
-// private chunks): the item itself, or before it the gaps of a phase-1 lanes
-// call (PrivatePartsInGaps); whichever claims it first.
-class PrivatePartClaims {
+// Who runs each work item of a decode call: the thread it is handed out to,
+// or earlier the gaps of a phase-1 lanes call (GapWorkTaker); whichever claims
+// it first. A phase-2 item whose private part another thread claimed waits
+// for it to be written.
+class GapClaims {
  public:
-  explicit PrivatePartClaims(int64_t num_items) : state_(new std::atomic<int8_t>[std::max<int64_t>(num_items, 1)]) {
+  explicit GapClaims(int64_t num_items)
+      : size_(num_items), state_(new std::atomic<int8_t>[std::max<int64_t>(num_items, 1)]) {
     for (int64_t i = 0; i < num_items; ++i) state_[i].store(kFree, std::memory_order_relaxed);
   }
+  int64_t size() const { return size_; }
   bool claim(int64_t i) {
     int8_t expected = kFree;
     return state_[i].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel);
   }
   void written(int64_t i) { state_[i].store(kWritten, std::memory_order_release); }
-  // Waits for another thread's claim of item i to be written.
   void wait(int64_t i) const {
     while (state_[i].load(std::memory_order_acquire) != kWritten) std::this_thread::yield();
   }
-  std::atomic<int64_t> next_for_gaps{0};  // the gaps try items in phase-2 order
+  std::atomic<int64_t> next_for_gaps{0};  // the gaps try items in handout order
 
  private:
   enum : int8_t { kFree, kClaimed, kWritten };
+  int64_t size_;
   std::unique_ptr<std::atomic<int8_t>[]> state_;
 };
 
-// Private parts run inside a phase-1 item's lanes call (PrivatePartsInGaps), so they keep their query rows
-// apart from the driver scratch that the item's own query rows are in.
-cpu::DriverScratch& private_part_scratch() {
+// Whether the gaps take an item, pass it over, or take none from it on.
+enum class GapFit { kTake, kSkip, kStop };
+
+// Work run in a phase-1 item's lanes call (GapWorkTaker) keeps its query rows and arguments apart from the
+// driver scratch that the item's own are in.
+cpu::DriverScratch& gap_work_scratch() {
   static thread_local cpu::DriverScratch s;
   return s;
 }
@@ -329,200 +337,20 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     pending[k].store(static_cast<int32_t>((num_kv_heads + heads - 1) / heads * node_field(k, kNodePieces)));
   }
 
-  // ---- Phase 2: sequence-first, one item per (batch row, group of kv heads);
-  // rows with the most private tokens first. A group walks each private chunk's
-  // heads back to back: they are adjacent tiles of the block, so reads stream
-  // through whole blocks. Groups are as large as the thread count allows.
-  // An item's private part (its rows against its private chunks) needs no
-  // phase-1 result: it runs either in its item or earlier, in the gaps of a
-  // phase-1 lanes tile (PrivatePartsInGaps), into per-item buffers that the
-  // item then merges its node partials into.
-  const int64_t heads_per_item = plan.header.heads_per_item;
-  const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
-  const int64_t num_seq_items = batch * items_per_row;
-  const bool seq_direct = group <= kern.direct_max_rows;
-  auto item_row = [&](int64_t i) { return plan.row_order[i / items_per_row]; };
-  auto item_head = [&](int64_t i) { return static_cast<int32_t>((i % items_per_row) * heads_per_item); };
-  auto item_heads = [&](int64_t i) { return std::min<int64_t>(heads_per_item, num_kv_heads - item_head(i)); };
-  const int64_t item_rows = heads_per_item * group;  // at most; an item's o is [rows, D] at i * item_rows * D
-  float* private_o = caller.get(6, static_cast<size_t>(num_seq_items * item_rows * D));
-  float* private_mn = caller.get(7, static_cast<size_t>(2 * num_seq_items * item_rows));
-  PrivatePartClaims claims(num_seq_items);
-
-  // Heads [first, first + count) of item i (relative to its first) against the row's private chunks, into
-  // the item's private_o / private_mn rows; `next`: the item its thread runs after this one (its first tile is
-  // prefetched), or -1.
-  auto private_part = [&](int64_t i, int64_t first, int64_t count, int64_t next) {
-    const int64_t b = item_row(i);
-    const int32_t h0 = static_cast<int32_t>(item_head(i) + first);
-    const int64_t rows = count * group;  // q heads h0*group .. (h0+count)*group, in order
-    cpu::DriverScratch& scr = private_part_scratch();
-    float* q = scr.get(0, rows * D);
-    float* o = private_o + (i * item_rows + first * group) * D;
-    float* m = private_mn + 2 * i * item_rows + first * group;
-    float* n = m + item_rows;
-    for (int64_t r = 0; r < rows; ++r)
-      cpu::load_scaled(q_data + b * q_s0 + (h0 * group + r) * q_s1, D, scale, q + r * D);
-    const int64_t shared = static_cast<int64_t>(shc[b]) * block_size;
-    const int num_private = static_cast<int>(lens[b] - shared);
-    AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
-                static_cast<int>(count), scale};
-    job.softcap = variant.logits_soft_cap;
-    if (next >= 0 && window <= 0) {  // a window may drop the next item's first chunks
-      const int64_t next_b = item_row(next);
-      const int64_t next_keys = lens[next_b] - static_cast<int64_t>(shc[next_b]) * block_size;
-      if (next_keys > 0)
-        job.after = {table[next_b * table_stride + shc[next_b]], item_head(next),
-                     static_cast<int>(std::min<int64_t>(next_keys, block_size))};
-    }
-    // The row's window start and position (for ALiBi), relative to its first private key.
-    float* row_args = scr.get(1, 2 * group);
-    float* first_key = row_args;
-    float* q_pos = alibi ? row_args + group : nullptr;
-    if (window > 0) std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
-    if (alibi) {
-      std::fill_n(q_pos, group, static_cast<float>(lens[b] - 1 - shared));
-      job.q_pos = q_pos;
-      job.alibi_slopes = alibi + h0 * group;  // [count, group]: the job's rows, head by head
-    }
-    bool any_key = num_private > 0;
-    if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
-    if (any_key) {
-      (seq_direct ? kern.direct : lanes)(kv, job);
-    } else {
-      std::fill(o, o + rows * D, 0.f);
-      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-      std::fill(n, n + rows, 0.f);
-    }
-  };
-
-  // The cache lines of head `first` of item i's private part: per private chunk, its K rows and V rows (live
-  // keys only).
-  const int64_t elem_bytes = kv_cache.element_size();
-  auto private_line_runs = [&](int64_t i, int64_t first, std::vector<cpu::LineRun>& runs) {
-    runs.clear();
-    const int64_t b = item_row(i);
-    const int64_t num_private = lens[b] - static_cast<int64_t>(shc[b]) * block_size;
-    const char* base = static_cast<const char*>(kv.data);
-    for (int64_t c = 0; c * block_size < num_private; ++c) {
-      const int64_t keys = std::min<int64_t>(block_size, num_private - c * block_size);
-      const int64_t block = table[b * table_stride + shc[b] + c];
-      const char* k = base + (block * kv.block_stride + (item_head(i) + first) * kv.head_stride) * elem_bytes;
-      const int lines = static_cast<int>((keys * D * elem_bytes + 63) / 64);
-      runs.push_back({k, lines});
-      runs.push_back({k + block_size * D * elem_bytes, lines});
-    }
-  };
-  // Whether item i's private part is worth a gap: a full chunk or more. Items come longest first, so the
-  // first that is not ends the gaps' share.
-  auto worth_a_gap = [&](int64_t i) {
-    const int64_t b = item_row(i);
-    return lens[b] - static_cast<int64_t>(shc[b]) * block_size >= block_size;
-  };
-  // Takes private parts into a phase-1 lanes call's gaps, in phase-2 order, a KV head at a time: the head's
-  // lines go to the tile's prefetches, and it runs at the first gap after the last of them, from the caches.
-  // The phase-2 item then finds its private part written (or waits for this thread to finish it).
-  struct PrivatePartsInGaps final : cpu::GapWork {
-    decltype(private_part)& run;
-    decltype(private_line_runs)& line_runs;
-    decltype(item_heads)& heads_of;
-    decltype(worth_a_gap)& worth;
-    PrivatePartClaims& claims;
-    int64_t num_items;
-    std::vector<cpu::LineRun>& runs;  // of the pending head
-    int64_t item = -1, head = 0;      // the claimed item, and its head whose lines are being asked for
-    size_t run_index = 0;
-    int line = 0;  // into runs[run_index]
-
-    PrivatePartsInGaps(decltype(private_part)& run, decltype(private_line_runs)& line_runs,
-                       decltype(item_heads)& heads_of, decltype(worth_a_gap)& worth, PrivatePartClaims& claims,
-                       int64_t num_items, std::vector<cpu::LineRun>& runs)
-        : run(run), line_runs(line_runs), heads_of(heads_of), worth(worth), claims(claims), num_items(num_items),
-          runs(runs) {}
-
-    cpu::LineRun next_lines(int max_lines) override {
-      if (item < 0 || run_index >= runs.size()) return {};
-      const cpu::LineRun& r = runs[run_index];
-      const cpu::LineRun piece{r.p + int64_t{line} * 64, std::min(max_lines, r.lines - line)};
-      line += piece.lines;
-      if (line >= r.lines) line = 0, ++run_index;
-      return piece;
-    }
-    void in_gap() override {
-      if (item >= 0) {
-        if (run_index < runs.size()) return;  // lines still to ask for
-        run(item, head, 1, -1);
-        if (++head == heads_of(item)) claims.written(item), item = -1;
-      }
-      while (item < 0) {
-        const int64_t i = claims.next_for_gaps.fetch_add(1, std::memory_order_relaxed);
-        if (i >= num_items || !worth(i)) return;
-        if (claims.claim(i)) item = i, head = 0;
-      }
-      line_runs(item, head, runs);
-      run_index = 0, line = 0;
-    }
-    // Runs what is left of the claimed item, if any.
-    void finish() {
-      if (item < 0) return;
-      run(item, head, heads_of(item) - head, -1);
-      claims.written(item), item = -1;
-    }
-  };
-  // Gaps only where a private part runs `direct` (`lanes` would share the tile's scratch) and a
-  // lanes tile can prefetch for it.
-  const bool private_parts_in_gaps = seq_direct && cpu::cpu_tuning().lanes_prefetch_spread > 0;
-
-  auto sequence_first = [&](int64_t i, int64_t next) {
-    const int64_t b = item_row(i);
-    const int32_t h0 = item_head(i);
-    const int64_t rows = item_heads(i) * group;
-    if (claims.claim(i)) {
-      private_part(i, 0, item_heads(i), next);
-      claims.written(i);
-    } else {
-      claims.wait(i);
-    }
-    float* o = private_o + i * item_rows * D;
-    float* m = private_mn + 2 * i * item_rows;
-    float* n = m + item_rows;
-
-    // The row's node partials: all phase-1 items were handed out before this
-    // item, so at most the ones still running on other threads are waited for.
-    for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-      const std::atomic<int32_t>& left = pending[plan.partial_work[rp[e] * kPlanRowInts + kPartialNode]];
-      while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
-    }
-
-    // Merge (equation 2): each node partial into the row's own part, in place;
-    // then the sink, if any; normalise once.
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = h0 + r / group, g = r % group;
-      PartialState total{m[r], n[r]};
-      float* acc = o + r * D;
-      for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-        const int32_t* partial = plan.partial_work + static_cast<int64_t>(rp[e]) * kPlanRowInts;
-        for (int32_t s = 0; s < partial[kPartialPieces]; ++s) {
-          const int64_t row =
-              h * part_rows + (partial[kPartialFirstSlot] + static_cast<int64_t>(s) * partial[kPartialSlotStride]) * group + g;
-          const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m[row], part_n[row]});
-          const float* po = part_o + row * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
-        }
-      }
-      const float sink_scale = variant.sinks ? merge_sink<NaturalExp>(total, variant.sinks[h0 * group + r]) : 1.f;
-      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1, sink_scale * inverse_sum(total.n));
-    }
-  };
-
   // ---- Phase 1: chunk-first, one item per (node, kv heads, split).
-  auto chunk_first = [&](int64_t i) {
+  const int64_t num_chunk_items = plan.header.num_items;
+  auto node_rows = [&](int64_t i) {
+    const int32_t k = plan.items[i * kPlanRowInts + kItemNode];
+    return static_cast<int64_t>(ctx.node_end[k] - nb[k]) * group;
+  };
+  // Heads [first, first + count) of phase-1 item i (relative to its first) into the split's partials, with
+  // the query rows and arguments in `scr`; a lanes call takes `gap` work into its gaps.
+  auto node_part = [&](int64_t i, int32_t first, int32_t count, cpu::DriverScratch& scr, cpu::GapWork* gap) {
     const int32_t* item = plan.items + i * kPlanRowInts;
-    const int32_t k = item[kItemNode], h0 = item[kItemHeadOrTile], s = item[kItemPiece], nh = item[kItemHeads];
+    const int32_t k = item[kItemNode], h0 = item[kItemHeadOrTile] + first, s = item[kItemPiece], nh = count;
     const int32_t rows = ctx.node_end[k] - nb[k];
     const int32_t per_split = node_field(k, kNodePieceSize);
     const int64_t M = static_cast<int64_t>(rows) * group;
-    cpu::DriverScratch& scr = cpu::driver_scratch();
     float* q = scr.get(0, nh * M * D);  // [nh, M, D]
     for (int32_t hh = 0; hh < nh; ++hh)
       for (int32_t t = 0; t < rows; ++t) {
@@ -567,7 +395,6 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
         std::fill_n(part_m + row0, M, -std::numeric_limits<float>::infinity());
         std::fill_n(part_n + row0, M, 0.f);
       }
-      pending[k].fetch_sub(1, std::memory_order_release);
       return;
     }
     if (nh > 1) {  // the tiles write [nh, M] rows into scratch; each head's partials are part_rows apart
@@ -577,12 +404,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     if (M <= kern.direct_max_rows) {
       kern.direct(kv, job);
     } else {
-      static thread_local std::vector<cpu::LineRun> gap_runs;
-      PrivatePartsInGaps gaps(private_part, private_line_runs, item_heads, worth_a_gap, claims, num_seq_items,
-                              gap_runs);
-      if (private_parts_in_gaps) job.gap = &gaps;
+      job.gap = gap;
       lanes(kv, job);
-      gaps.finish();
     }
     for (int32_t hh = 0; nh > 1 && hh < nh; ++hh) {
       const int64_t row0 = partial_row(h0 + hh);
@@ -590,7 +413,237 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       std::copy_n(job.m + hh * M, M, part_m + row0);
       std::copy_n(job.n + hh * M, M, part_n + row0);
     }
-    pending[k].fetch_sub(1, std::memory_order_release);
+  };
+
+  // ---- Phase 2: sequence-first, one item per (batch row, group of kv heads);
+  // rows with the most private tokens first. A group walks each private chunk's
+  // heads back to back: they are adjacent tiles of the block, so reads stream
+  // through whole blocks. Groups are as large as the thread count allows.
+  // An item's private part (its rows against its private chunks) needs no
+  // phase-1 result: it runs either in its item or earlier, in the gaps of a
+  // phase-1 lanes call (GapWorkTaker), into per-item buffers that the item then
+  // merges its node partials into.
+  const int64_t heads_per_item = plan.header.heads_per_item;
+  const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
+  const int64_t num_seq_items = batch * items_per_row;
+  const bool seq_direct = group <= kern.direct_max_rows;
+  auto item_row = [&](int64_t i) { return plan.row_order[i / items_per_row]; };
+  auto item_head = [&](int64_t i) { return static_cast<int32_t>((i % items_per_row) * heads_per_item); };
+  auto item_heads = [&](int64_t i) { return std::min<int64_t>(heads_per_item, num_kv_heads - item_head(i)); };
+  const int64_t item_rows = heads_per_item * group;  // at most; an item's o is [rows, D] at i * item_rows * D
+  float* private_o = caller.get(6, static_cast<size_t>(num_seq_items * item_rows * D));
+  float* private_mn = caller.get(7, static_cast<size_t>(2 * num_seq_items * item_rows));
+
+  // Heads [first, first + count) of item i (relative to its first) against the row's private chunks, into
+  // the item's private_o / private_mn rows; `next`: the item its thread runs after this one (its first tile is
+  // prefetched), or -1.
+  auto private_part = [&](int64_t i, int64_t first, int64_t count, int64_t next) {
+    const int64_t b = item_row(i);
+    const int32_t h0 = static_cast<int32_t>(item_head(i) + first);
+    const int64_t rows = count * group;  // q heads h0*group .. (h0+count)*group, in order
+    cpu::DriverScratch& scr = gap_work_scratch();
+    float* q = scr.get(0, rows * D);
+    float* o = private_o + (i * item_rows + first * group) * D;
+    float* m = private_mn + 2 * i * item_rows + first * group;
+    float* n = m + item_rows;
+    for (int64_t r = 0; r < rows; ++r)
+      cpu::load_scaled(q_data + b * q_s0 + (h0 * group + r) * q_s1, D, scale, q + r * D);
+    const int64_t shared = static_cast<int64_t>(shc[b]) * block_size;
+    const int num_private = static_cast<int>(lens[b] - shared);
+    AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
+                static_cast<int>(count), scale};
+    job.softcap = variant.logits_soft_cap;
+    if (next >= 0 && window <= 0) {  // a window may drop the next item's first chunks
+      const int64_t next_b = item_row(next);
+      const int64_t next_keys = lens[next_b] - static_cast<int64_t>(shc[next_b]) * block_size;
+      if (next_keys > 0)
+        job.after = {table[next_b * table_stride + shc[next_b]], item_head(next),
+                     static_cast<int>(std::min<int64_t>(next_keys, block_size))};
+    }
+    // The row's window start and position (for ALiBi), relative to its first private key.
+    float* row_args = scr.get(1, 2 * group);
+    float* first_key = row_args;
+    float* q_pos = alibi ? row_args + group : nullptr;
+    if (window > 0) std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
+    if (alibi) {
+      std::fill_n(q_pos, group, static_cast<float>(lens[b] - 1 - shared));
+      job.q_pos = q_pos;
+      job.alibi_slopes = alibi + h0 * group;  // [count, group]: the job's rows, head by head
+    }
+    bool any_key = num_private > 0;
+    if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
+    if (any_key) {
+      (seq_direct ? kern.direct : lanes)(kv, job);
+    } else {
+      std::fill(o, o + rows * D, 0.f);
+      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+      std::fill(n, n + rows, 0.f);
+    }
+  };
+
+  // ---- Memory-bound work in the gaps of the compute-bound lanes calls (the
+  // file's comment): items g of both phases in handout order, g < num_chunk_items
+  // a phase-1 item, else phase-2 item g - num_chunk_items.
+  const int64_t num_all_items = num_chunk_items + num_seq_items;
+  GapClaims claims(num_all_items);
+  const int64_t elem_bytes = kv_cache.element_size();
+  const char* cache_bytes = static_cast<const char*>(kv.data);
+  auto tile_bytes = [&](int64_t block, int64_t head) {
+    return cache_bytes + (block * kv.block_stride + head * kv.head_stride) * elem_bytes;
+  };
+  // Phase-1 items that run `direct` (few rows: memory bound) and phase-2 private parts of a chunk or more;
+  // phase-2 items come longest first, so the first shorter one ends the gaps' share.
+  auto gap_fit = [&](int64_t g) {
+    if (g < num_chunk_items) return node_rows(g) <= kern.direct_max_rows ? GapFit::kTake : GapFit::kSkip;
+    const int64_t b = item_row(g - num_chunk_items);
+    return lens[b] - static_cast<int64_t>(shc[b]) * block_size >= block_size ? GapFit::kTake : GapFit::kStop;
+  };
+  auto gap_heads = [&](int64_t g) {
+    return g < num_chunk_items ? static_cast<int64_t>(plan.items[g * kPlanRowInts + kItemHeads])
+                               : item_heads(g - num_chunk_items);
+  };
+  // The cache lines of head `first` of item g: per chunk, its K rows and V rows (the live keys).
+  auto gap_lines = [&](int64_t g, int64_t first, std::vector<cpu::LineRun>& runs) {
+    runs.clear();
+    auto add_chunk = [&](int64_t block, int64_t head, int64_t keys) {
+      const char* k = tile_bytes(block, head);
+      const int lines = static_cast<int>((keys * D * elem_bytes + 63) / 64);
+      runs.push_back({k, lines});
+      runs.push_back({k + block_size * D * elem_bytes, lines});
+    };
+    if (g < num_chunk_items) {
+      const int32_t* item = plan.items + g * kPlanRowInts;
+      const int32_t k = item[kItemNode];
+      const int32_t c0 = ncb[k] + item[kItemPiece] * node_field(k, kNodePieceSize);
+      const int32_t c1 = std::min(nce[k], c0 + node_field(k, kNodePieceSize));
+      for (int32_t c = c0; c < c1; ++c)
+        add_chunk(table[ord[nb[k]] * table_stride + c], item[kItemHeadOrTile] + first, block_size);
+      return;
+    }
+    const int64_t i = g - num_chunk_items, b = item_row(i);
+    const int64_t num_private = lens[b] - static_cast<int64_t>(shc[b]) * block_size;
+    for (int64_t c = 0; c * block_size < num_private; ++c)
+      add_chunk(table[b * table_stride + shc[b] + c], item_head(i) + first,
+                std::min<int64_t>(block_size, num_private - c * block_size));
+  };
+  auto gap_run = [&](int64_t g, int64_t first, int64_t count) {
+    if (g < num_chunk_items)
+      node_part(g, static_cast<int32_t>(first), static_cast<int32_t>(count), gap_work_scratch(), nullptr);
+    else
+      private_part(g - num_chunk_items, first, count, -1);
+  };
+  // Whoever finishes an item: a phase-1 item's node counts one item less, a phase-2 item's part is written.
+  auto item_done = [&](int64_t g) {
+    if (g < num_chunk_items) pending[plan.items[g * kPlanRowInts + kItemNode]].fetch_sub(1, std::memory_order_release);
+    claims.written(g);
+  };
+  // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch) and a lanes tile
+  // can prefetch for it.
+  const bool gaps_on = seq_direct && cpu::cpu_tuning().lanes_prefetch_spread > 0;
+  // A phase-1 lanes call's taker: one item at a time, a KV head at a time; the head's lines go to the tile's
+  // prefetches, and it runs at the first gap after the last of them, from the caches.
+  struct GapWorkTaker final : cpu::GapWork {
+    decltype(gap_fit)& fit;
+    decltype(gap_heads)& heads_of;
+    decltype(gap_lines)& lines_of;
+    decltype(gap_run)& run;
+    decltype(item_done)& done;
+    GapClaims& claims;
+    std::vector<cpu::LineRun>& runs;  // of the pending head
+    int64_t item = -1, head = 0;      // the claimed item, and its head whose lines are being asked for
+    size_t run_index = 0;
+    int line = 0;  // into runs[run_index]
+
+    GapWorkTaker(decltype(gap_fit)& fit, decltype(gap_heads)& heads_of, decltype(gap_lines)& lines_of,
+                 decltype(gap_run)& run, decltype(item_done)& done, GapClaims& claims, std::vector<cpu::LineRun>& runs)
+        : fit(fit), heads_of(heads_of), lines_of(lines_of), run(run), done(done), claims(claims), runs(runs) {}
+
+    cpu::LineRun next_lines(int max_lines) override {
+      if (item < 0 || run_index >= runs.size()) return {};
+      const cpu::LineRun& r = runs[run_index];
+      const cpu::LineRun piece{r.p + int64_t{line} * 64, std::min(max_lines, r.lines - line)};
+      line += piece.lines;
+      if (line >= r.lines) line = 0, ++run_index;
+      return piece;
+    }
+    void in_gap() override {
+      if (item >= 0) {
+        if (run_index < runs.size()) return;  // lines still to ask for
+        run(item, head, 1);
+        if (++head == heads_of(item)) done(item), item = -1;
+      }
+      while (item < 0) {
+        const int64_t g = claims.next_for_gaps.fetch_add(1, std::memory_order_relaxed);
+        if (g >= claims.size()) return;
+        const GapFit f = fit(g);
+        if (f == GapFit::kStop) return;
+        if (f == GapFit::kTake && claims.claim(g)) item = g, head = 0;
+      }
+      lines_of(item, head, runs);
+      run_index = 0, line = 0;
+    }
+    // Runs what is left of the claimed item, if any.
+    void finish() {
+      if (item < 0) return;
+      run(item, head, heads_of(item) - head);
+      done(item), item = -1;
+    }
+  };
+
+  auto chunk_first = [&](int64_t i) {
+    if (gaps_on && gap_fit(i) == GapFit::kTake) {  // a lanes call's gaps may have taken it
+      if (!claims.claim(i)) return;
+      node_part(i, 0, plan.items[i * kPlanRowInts + kItemHeads], cpu::driver_scratch(), nullptr);
+      item_done(i);
+      return;
+    }
+    static thread_local std::vector<cpu::LineRun> gap_runs;
+    GapWorkTaker gaps(gap_fit, gap_heads, gap_lines, gap_run, item_done, claims, gap_runs);
+    node_part(i, 0, plan.items[i * kPlanRowInts + kItemHeads], cpu::driver_scratch(), gaps_on ? &gaps : nullptr);
+    gaps.finish();
+    pending[plan.items[i * kPlanRowInts + kItemNode]].fetch_sub(1, std::memory_order_release);
+  };
+
+  auto sequence_first = [&](int64_t i, int64_t next) {
+    const int64_t b = item_row(i);
+    const int32_t h0 = item_head(i);
+    const int64_t rows = item_heads(i) * group;
+    if (claims.claim(num_chunk_items + i)) {
+      private_part(i, 0, item_heads(i), next);
+      claims.written(num_chunk_items + i);
+    } else {
+      claims.wait(num_chunk_items + i);
+    }
+    float* o = private_o + i * item_rows * D;
+    float* m = private_mn + 2 * i * item_rows;
+    float* n = m + item_rows;
+
+    // The row's node partials: all phase-1 items were handed out before this
+    // item, so at most the ones still running on other threads are waited for.
+    for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
+      const std::atomic<int32_t>& left = pending[plan.partial_work[rp[e] * kPlanRowInts + kPartialNode]];
+      while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+    }
+
+    // Merge (equation 2): each node partial into the row's own part, in place;
+    // then the sink, if any; normalise once.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = h0 + r / group, g = r % group;
+      PartialState total{m[r], n[r]};
+      float* acc = o + r * D;
+      for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
+        const int32_t* partial = plan.partial_work + static_cast<int64_t>(rp[e]) * kPlanRowInts;
+        for (int32_t s = 0; s < partial[kPartialPieces]; ++s) {
+          const int64_t row =
+              h * part_rows + (partial[kPartialFirstSlot] + static_cast<int64_t>(s) * partial[kPartialSlotStride]) * group + g;
+          const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m[row], part_n[row]});
+          const float* po = part_o + row * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
+        }
+      }
+      const float sink_scale = variant.sinks ? merge_sink<NaturalExp>(total, variant.sinks[h0 * group + r]) : 1.f;
+      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1, sink_scale * inverse_sum(total.n));
+    }
   };
 
   // One parallel region for both phases: phase-1 items first (costliest
@@ -599,9 +652,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // whose cost is a scheduler delay whenever another process holds a core.
   // A phase-2 item knows the one its thread runs next, whose first private tile
   // its last tiles prefetch.
-  const int64_t num_chunk_items = plan.header.num_items;
   cpu::parallel_items_with_next(
-      num_chunk_items + batch * items_per_row,
+      num_all_items,
       [&](int64_t i, int64_t next) {
         if (i < num_chunk_items) chunk_first(i);
         else sequence_first(i - num_chunk_items, next < 0 ? -1 : next - num_chunk_items);
