@@ -32,10 +32,12 @@
 //     a phase-2 item's private part are memory bound where a phase-1 lanes
 //     call is compute bound, and neither waits on anything (the private part
 //     needs no phase-1 result). So a lanes call takes such items into its
-//     gaps (cpu::GapWork), one at a time in handout order and a KV head at a
-//     time: the tile's register blocks prefetch the head's lines between
-//     their FMAs, and it runs from the caches after the next lane pair's
-//     P.V. A phase-2 item whose private part was taken so only merges. On a
+//     gaps (cpu::GapWork), in handout order and a KV head at a time: the
+//     tile's register blocks prefetch the head's lines between their FMAs,
+//     and it runs from the caches after the next lane pair's P.V. Heads are
+//     claimed one by one (GapClaims): the thread an item is handed out to
+//     runs the heads no gap took, and waits at most for the one a gap has in
+//     hand; a phase-2 item whose private part was taken only merges. On a
 //     Zen 4, fp32 decode of 256 requests with GQA 4 behind a 2048-token
 //     prefix (129 private tokens each) took 4 to 6% less time; bf16 tiles,
 //     whose S^T blocks take no prefetches, keep their gaps empty.
@@ -83,30 +85,27 @@ constexpr double kKeyReadCost = 16.0;
 // Phase-1 items per thread to aim for when splitting nodes.
 constexpr int kItemsPerThread = 4;
 
-// Who runs each work item of a decode call: the thread it is handed out to,
-// or earlier the gaps of a phase-1 lanes call (GapWorkTaker); whichever claims
-// it first. A phase-2 item whose private part another thread claimed waits
-// for it to be written.
+// Who runs each (item, KV head) of a decode call: the thread the item is
+// handed out to, or earlier the gaps of a phase-1 lanes call (GapWorkTaker);
+// whichever claims it first. A phase-2 item waits for the heads of its private
+// part that another thread claimed to be written.
 class GapClaims {
  public:
-  explicit GapClaims(int64_t num_items)
-      : size_(num_items), state_(new std::atomic<int8_t>[std::max<int64_t>(num_items, 1)]) {
-    for (int64_t i = 0; i < num_items; ++i) state_[i].store(kFree, std::memory_order_relaxed);
+  explicit GapClaims(int64_t num_units) : state_(new std::atomic<int8_t>[std::max<int64_t>(num_units, 1)]) {
+    for (int64_t u = 0; u < num_units; ++u) state_[u].store(kFree, std::memory_order_relaxed);
   }
-  int64_t size() const { return size_; }
-  bool claim(int64_t i) {
+  bool claim(int64_t u) {
     int8_t expected = kFree;
-    return state_[i].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel);
+    return state_[u].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel);
   }
-  void written(int64_t i) { state_[i].store(kWritten, std::memory_order_release); }
-  void wait(int64_t i) const {
-    while (state_[i].load(std::memory_order_acquire) != kWritten) std::this_thread::yield();
+  void written(int64_t u) { state_[u].store(kWritten, std::memory_order_release); }
+  void wait(int64_t u) const {
+    while (state_[u].load(std::memory_order_acquire) != kWritten) std::this_thread::yield();
   }
-  std::atomic<int64_t> next_for_gaps{0};  // the gaps try items in handout order
+  std::atomic<int64_t> next_for_gaps{0};  // the item the gaps try next, in handout order
 
  private:
   enum : int8_t { kFree, kClaimed, kWritten };
-  int64_t size_;
   std::unique_ptr<std::atomic<int8_t>[]> state_;
 };
 
@@ -330,12 +329,10 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   float* part_m = part_mn;
   float* part_n = part_mn + num_kv_heads * part_rows;
 
-  // Unfinished phase-1 items per node; phase-2 items wait on them before merging.
+  // Unfinished (split, KV head) pairs of each node's phase-1 items; phase-2 items wait on them before merging.
   std::unique_ptr<std::atomic<int32_t>[]> pending(new std::atomic<int32_t>[std::max<int64_t>(num_nodes, 1)]);
-  for (int64_t k = 0; k < num_nodes; ++k) {
-    const int64_t heads = node_field(k, kNodeHeadsPerItem);
-    pending[k].store(static_cast<int32_t>((num_kv_heads + heads - 1) / heads * node_field(k, kNodePieces)));
-  }
+  for (int64_t k = 0; k < num_nodes; ++k)
+    pending[k].store(static_cast<int32_t>(num_kv_heads * node_field(k, kNodePieces)));
 
   // ---- Phase 1: chunk-first, one item per (node, kv heads, split).
   const int64_t num_chunk_items = plan.header.num_items;
@@ -435,13 +432,12 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   float* private_mn = caller.get(7, static_cast<size_t>(2 * num_seq_items * item_rows));
 
   // Heads [first, first + count) of item i (relative to its first) against the row's private chunks, into
-  // the item's private_o / private_mn rows; `next`: the item its thread runs after this one (its first tile is
-  // prefetched), or -1.
-  auto private_part = [&](int64_t i, int64_t first, int64_t count, int64_t next) {
+  // the item's private_o / private_mn rows, with the query rows and arguments in `scr`; `next`: the item its
+  // thread runs after this one (its first tile is prefetched), or -1.
+  auto private_part = [&](int64_t i, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
     const int64_t b = item_row(i);
     const int32_t h0 = static_cast<int32_t>(item_head(i) + first);
     const int64_t rows = count * group;  // q heads h0*group .. (h0+count)*group, in order
-    cpu::DriverScratch& scr = gap_work_scratch();
     float* q = scr.get(0, rows * D);
     float* o = private_o + (i * item_rows + first * group) * D;
     float* m = private_mn + 2 * i * item_rows + first * group;
@@ -483,9 +479,17 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
 
   // ---- Memory-bound work in the gaps of the compute-bound lanes calls (the
   // file's comment): items g of both phases in handout order, g < num_chunk_items
-  // a phase-1 item, else phase-2 item g - num_chunk_items.
+  // a phase-1 item, else phase-2 item g - num_chunk_items; claimed and run a KV
+  // head at a time (unit unit_begin[g] + head), so that a thread that needs an
+  // item waits at most for the one head a gap has in hand.
   const int64_t num_all_items = num_chunk_items + num_seq_items;
-  GapClaims claims(num_all_items);
+  auto gap_heads = [&](int64_t g) {
+    return g < num_chunk_items ? static_cast<int64_t>(plan.items[g * kPlanRowInts + kItemHeads])
+                               : item_heads(g - num_chunk_items);
+  };
+  std::vector<int64_t> unit_begin(num_all_items + 1, 0);
+  for (int64_t g = 0; g < num_all_items; ++g) unit_begin[g + 1] = unit_begin[g] + gap_heads(g);
+  GapClaims claims(unit_begin[num_all_items]);
   const int64_t elem_bytes = kv_cache.element_size();
   const char* cache_bytes = static_cast<const char*>(kv.data);
   auto tile_bytes = [&](int64_t block, int64_t head) {
@@ -497,10 +501,6 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     if (g < num_chunk_items) return node_rows(g) <= kern.direct_max_rows ? GapFit::kTake : GapFit::kSkip;
     const int64_t b = item_row(g - num_chunk_items);
     return lens[b] - static_cast<int64_t>(shc[b]) * block_size >= block_size ? GapFit::kTake : GapFit::kStop;
-  };
-  auto gap_heads = [&](int64_t g) {
-    return g < num_chunk_items ? static_cast<int64_t>(plan.items[g * kPlanRowInts + kItemHeads])
-                               : item_heads(g - num_chunk_items);
   };
   // The cache lines of head `first` of item g: per chunk, its K rows and V rows (the live keys).
   auto gap_lines = [&](int64_t g, int64_t first, std::vector<cpu::LineRun>& runs) {
@@ -526,37 +526,58 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       add_chunk(table[b * table_stride + shc[b] + c], item_head(i) + first,
                 std::min<int64_t>(block_size, num_private - c * block_size));
   };
-  auto gap_run = [&](int64_t g, int64_t first, int64_t count) {
-    if (g < num_chunk_items)
-      node_part(g, static_cast<int32_t>(first), static_cast<int32_t>(count), gap_work_scratch(), nullptr);
-    else
-      private_part(g - num_chunk_items, first, count, -1);
+  // Heads [first, first + count) of item g, by the thread that claimed them (scr: the query rows' scratch);
+  // `next`: the phase-2 item this thread runs next, or -1.
+  auto run_heads = [&](int64_t g, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
+    if (g < num_chunk_items) {
+      node_part(g, static_cast<int32_t>(first), static_cast<int32_t>(count), scr, nullptr);
+      pending[plan.items[g * kPlanRowInts + kItemNode]].fetch_sub(static_cast<int32_t>(count),
+                                                                   std::memory_order_release);
+    } else {
+      private_part(g - num_chunk_items, first, count, scr, next);
+    }
+    for (int64_t h = first; h < first + count; ++h) claims.written(unit_begin[g] + h);
   };
-  // Whoever finishes an item: a phase-1 item's node counts one item less, a phase-2 item's part is written.
-  auto item_done = [&](int64_t g) {
-    if (g < num_chunk_items) pending[plan.items[g * kPlanRowInts + kItemNode]].fetch_sub(1, std::memory_order_release);
-    claims.written(g);
+  // Runs the heads of item g that this thread claims, in runs of adjacent heads (one `direct` call walks a
+  // chunk's heads back to back); returns whether another thread had claimed any.
+  auto run_claimed_heads = [&](int64_t g, cpu::DriverScratch& scr, int64_t next) {
+    bool others = false;
+    for (int64_t h = 0, heads = gap_heads(g); h < heads;) {
+      if (!claims.claim(unit_begin[g] + h)) {
+        others = true, ++h;
+        continue;
+      }
+      int64_t end = h + 1;
+      while (end < heads && claims.claim(unit_begin[g] + end)) ++end;
+      run_heads(g, h, end - h, scr, next);
+      h = end;
+    }
+    return others;
   };
+  auto gap_run = [&](int64_t g, int64_t head) { run_heads(g, head, 1, gap_work_scratch(), -1); };
   // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch) and a lanes tile
   // can prefetch for it.
   const bool gaps_on = seq_direct && cpu::cpu_tuning().lanes_prefetch_spread > 0;
-  // A phase-1 lanes call's taker: one item at a time, a KV head at a time; the head's lines go to the tile's
-  // prefetches, and it runs at the first gap after the last of them, from the caches.
+  // A phase-1 lanes call's taker: items in handout order, a KV head at a time; the head's lines go to the
+  // tile's prefetches, and it runs at the first gap after the last of them, from the caches.
   struct GapWorkTaker final : cpu::GapWork {
     decltype(gap_fit)& fit;
     decltype(gap_heads)& heads_of;
     decltype(gap_lines)& lines_of;
     decltype(gap_run)& run;
-    decltype(item_done)& done;
+    const std::vector<int64_t>& unit_begin;
     GapClaims& claims;
-    std::vector<cpu::LineRun>& runs;  // of the pending head
-    int64_t item = -1, head = 0;      // the claimed item, and its head whose lines are being asked for
+    int64_t num_items;
+    std::vector<cpu::LineRun>& runs;  // of the claimed head
+    int64_t item = -1, head = 0;      // the item being taken, and its claimed head (-1: none yet)
     size_t run_index = 0;
     int line = 0;  // into runs[run_index]
 
     GapWorkTaker(decltype(gap_fit)& fit, decltype(gap_heads)& heads_of, decltype(gap_lines)& lines_of,
-                 decltype(gap_run)& run, decltype(item_done)& done, GapClaims& claims, std::vector<cpu::LineRun>& runs)
-        : fit(fit), heads_of(heads_of), lines_of(lines_of), run(run), done(done), claims(claims), runs(runs) {}
+                 decltype(gap_run)& run, const std::vector<int64_t>& unit_begin, GapClaims& claims,
+                 int64_t num_items, std::vector<cpu::LineRun>& runs)
+        : fit(fit), heads_of(heads_of), lines_of(lines_of), run(run), unit_begin(unit_begin), claims(claims),
+          num_items(num_items), runs(runs) {}
 
     cpu::LineRun next_lines(int max_lines) override {
       if (item < 0 || run_index >= runs.size()) return {};
@@ -569,51 +590,53 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     void in_gap() override {
       if (item >= 0) {
         if (run_index < runs.size()) return;  // lines still to ask for
-        run(item, head, 1);
-        if (++head == heads_of(item)) done(item), item = -1;
+        run(item, head);
+        ++head;
       }
-      while (item < 0) {
-        const int64_t g = claims.next_for_gaps.fetch_add(1, std::memory_order_relaxed);
-        if (g >= claims.size()) return;
-        const GapFit f = fit(g);
-        if (f == GapFit::kStop) return;
-        if (f == GapFit::kTake && claims.claim(g)) item = g, head = 0;
+      // The next head this taker claims: of this item, else of the next item it fits.
+      for (;;) {
+        if (item >= 0) {
+          while (head < heads_of(item) && !claims.claim(unit_begin[item] + head)) ++head;
+          if (head < heads_of(item)) break;
+        }
+        item = claims.next_for_gaps.fetch_add(1, std::memory_order_relaxed), head = 0;
+        const GapFit f = item < num_items ? fit(item) : GapFit::kStop;
+        if (f == GapFit::kStop) {
+          item = -1;
+          return;
+        }
+        if (f == GapFit::kSkip) item = -1;
       }
       lines_of(item, head, runs);
       run_index = 0, line = 0;
     }
-    // Runs what is left of the claimed item, if any.
+    // Runs the claimed head, if any.
     void finish() {
-      if (item < 0) return;
-      run(item, head, heads_of(item) - head);
-      done(item), item = -1;
+      if (item >= 0 && head < heads_of(item)) run(item, head);
+      item = -1;
     }
   };
 
   auto chunk_first = [&](int64_t i) {
-    if (gaps_on && gap_fit(i) == GapFit::kTake) {  // a lanes call's gaps may have taken it
-      if (!claims.claim(i)) return;
-      node_part(i, 0, plan.items[i * kPlanRowInts + kItemHeads], cpu::driver_scratch(), nullptr);
-      item_done(i);
+    if (gaps_on && gap_fit(i) == GapFit::kTake) {  // a lanes call's gaps may have taken some of its heads
+      run_claimed_heads(i, cpu::driver_scratch(), -1);
       return;
     }
     static thread_local std::vector<cpu::LineRun> gap_runs;
-    GapWorkTaker gaps(gap_fit, gap_heads, gap_lines, gap_run, item_done, claims, gap_runs);
-    node_part(i, 0, plan.items[i * kPlanRowInts + kItemHeads], cpu::driver_scratch(), gaps_on ? &gaps : nullptr);
+    GapWorkTaker gaps(gap_fit, gap_heads, gap_lines, gap_run, unit_begin, claims, num_all_items, gap_runs);
+    const int32_t heads = plan.items[i * kPlanRowInts + kItemHeads];
+    node_part(i, 0, heads, cpu::driver_scratch(), gaps_on ? &gaps : nullptr);
     gaps.finish();
-    pending[plan.items[i * kPlanRowInts + kItemNode]].fetch_sub(1, std::memory_order_release);
+    pending[plan.items[i * kPlanRowInts + kItemNode]].fetch_sub(heads, std::memory_order_release);
   };
 
   auto sequence_first = [&](int64_t i, int64_t next) {
     const int64_t b = item_row(i);
     const int32_t h0 = item_head(i);
     const int64_t rows = item_heads(i) * group;
-    if (claims.claim(num_chunk_items + i)) {
-      private_part(i, 0, item_heads(i), next);
-      claims.written(num_chunk_items + i);
-    } else {
-      claims.wait(num_chunk_items + i);
-    }
+    const int64_t item = num_chunk_items + i;  // in handout order
+    if (run_claimed_heads(item, cpu::driver_scratch(), next))
+      for (int64_t h = 0; h < item_heads(i); ++h) claims.wait(unit_begin[item] + h);
     float* o = private_o + i * item_rows * D;
     float* m = private_mn + 2 * i * item_rows;
     float* n = m + item_rows;
