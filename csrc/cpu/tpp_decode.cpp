@@ -91,21 +91,25 @@ constexpr int kItemsPerThread = 4;
 // part that another thread claimed to be written.
 class GapClaims {
  public:
-  explicit GapClaims(int64_t num_units) : state_(new std::atomic<int8_t>[std::max<int64_t>(num_units, 1)]) {
-    for (int64_t u = 0; u < num_units; ++u) state_[u].store(kFree, std::memory_order_relaxed);
+  // Items of at most max_heads KV heads each.
+  GapClaims(int64_t num_items, int64_t max_heads)
+      : max_heads_(max_heads), state_(new std::atomic<int8_t>[std::max<int64_t>(num_items * max_heads, 1)]) {
+    for (int64_t u = 0; u < num_items * max_heads; ++u) state_[u].store(kFree, std::memory_order_relaxed);
   }
-  bool claim(int64_t u) {
+  bool claim(int64_t item, int64_t head) {
     int8_t expected = kFree;
-    return state_[u].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel);
+    return unit(item, head).compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel);
   }
-  void written(int64_t u) { state_[u].store(kWritten, std::memory_order_release); }
-  void wait(int64_t u) const {
-    while (state_[u].load(std::memory_order_acquire) != kWritten) std::this_thread::yield();
+  void written(int64_t item, int64_t head) { unit(item, head).store(kWritten, std::memory_order_release); }
+  void wait(int64_t item, int64_t head) {
+    while (unit(item, head).load(std::memory_order_acquire) != kWritten) std::this_thread::yield();
   }
   std::atomic<int64_t> next_for_gaps{0};  // the item the gaps try next, in handout order
 
  private:
   enum : int8_t { kFree, kClaimed, kWritten };
+  std::atomic<int8_t>& unit(int64_t item, int64_t head) { return state_[item * max_heads_ + head]; }
+  int64_t max_heads_;
   std::unique_ptr<std::atomic<int8_t>[]> state_;
 };
 
@@ -480,16 +484,14 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // ---- Memory-bound work in the gaps of the compute-bound lanes calls (the
   // file's comment): items g of both phases in handout order, g < num_chunk_items
   // a phase-1 item, else phase-2 item g - num_chunk_items; claimed and run a KV
-  // head at a time (unit unit_begin[g] + head), so that a thread that needs an
+  // head at a time, so that a thread that needs an
   // item waits at most for the one head a gap has in hand.
   const int64_t num_all_items = num_chunk_items + num_seq_items;
   auto gap_heads = [&](int64_t g) {
     return g < num_chunk_items ? static_cast<int64_t>(plan.items[g * kPlanRowInts + kItemHeads])
                                : item_heads(g - num_chunk_items);
   };
-  std::vector<int64_t> unit_begin(num_all_items + 1, 0);
-  for (int64_t g = 0; g < num_all_items; ++g) unit_begin[g + 1] = unit_begin[g] + gap_heads(g);
-  GapClaims claims(unit_begin[num_all_items]);
+  GapClaims claims(num_all_items, num_kv_heads);
   const int64_t elem_bytes = kv_cache.element_size();
   const char* cache_bytes = static_cast<const char*>(kv.data);
   auto tile_bytes = [&](int64_t block, int64_t head) {
@@ -536,19 +538,19 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     } else {
       private_part(g - num_chunk_items, first, count, scr, next);
     }
-    for (int64_t h = first; h < first + count; ++h) claims.written(unit_begin[g] + h);
+    for (int64_t h = first; h < first + count; ++h) claims.written(g, h);
   };
   // Runs the heads of item g that this thread claims, in runs of adjacent heads (one `direct` call walks a
   // chunk's heads back to back); returns whether another thread had claimed any.
   auto run_claimed_heads = [&](int64_t g, cpu::DriverScratch& scr, int64_t next) {
     bool others = false;
     for (int64_t h = 0, heads = gap_heads(g); h < heads;) {
-      if (!claims.claim(unit_begin[g] + h)) {
+      if (!claims.claim(g, h)) {
         others = true, ++h;
         continue;
       }
       int64_t end = h + 1;
-      while (end < heads && claims.claim(unit_begin[g] + end)) ++end;
+      while (end < heads && claims.claim(g, end)) ++end;
       run_heads(g, h, end - h, scr, next);
       h = end;
     }
@@ -565,7 +567,6 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     decltype(gap_heads)& heads_of;
     decltype(gap_lines)& lines_of;
     decltype(gap_run)& run;
-    const std::vector<int64_t>& unit_begin;
     GapClaims& claims;
     int64_t num_items;
     std::vector<cpu::LineRun>& runs;  // of the claimed head
@@ -574,9 +575,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     int line = 0;  // into runs[run_index]
 
     GapWorkTaker(decltype(gap_fit)& fit, decltype(gap_heads)& heads_of, decltype(gap_lines)& lines_of,
-                 decltype(gap_run)& run, const std::vector<int64_t>& unit_begin, GapClaims& claims,
-                 int64_t num_items, std::vector<cpu::LineRun>& runs)
-        : fit(fit), heads_of(heads_of), lines_of(lines_of), run(run), unit_begin(unit_begin), claims(claims),
+                 decltype(gap_run)& run, GapClaims& claims, int64_t num_items, std::vector<cpu::LineRun>& runs)
+        : fit(fit), heads_of(heads_of), lines_of(lines_of), run(run), claims(claims),
           num_items(num_items), runs(runs) {}
 
     cpu::LineRun next_lines(int max_lines) override {
@@ -596,7 +596,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       // The next head this taker claims: of this item, else of the next item it fits.
       for (;;) {
         if (item >= 0) {
-          while (head < heads_of(item) && !claims.claim(unit_begin[item] + head)) ++head;
+          while (head < heads_of(item) && !claims.claim(item, head)) ++head;
           if (head < heads_of(item)) break;
         }
         item = claims.next_for_gaps.fetch_add(1, std::memory_order_relaxed), head = 0;
@@ -623,7 +623,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       return;
     }
     static thread_local std::vector<cpu::LineRun> gap_runs;
-    GapWorkTaker gaps(gap_fit, gap_heads, gap_lines, gap_run, unit_begin, claims, num_all_items, gap_runs);
+    GapWorkTaker gaps(gap_fit, gap_heads, gap_lines, gap_run, claims, num_all_items, gap_runs);
     const int32_t heads = plan.items[i * kPlanRowInts + kItemHeads];
     node_part(i, 0, heads, cpu::driver_scratch(), gaps_on ? &gaps : nullptr);
     gaps.finish();
@@ -636,7 +636,7 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
     const int64_t rows = item_heads(i) * group;
     const int64_t item = num_chunk_items + i;  // in handout order
     if (run_claimed_heads(item, cpu::driver_scratch(), next))
-      for (int64_t h = 0; h < item_heads(i); ++h) claims.wait(unit_begin[item] + h);
+      for (int64_t h = 0; h < item_heads(i); ++h) claims.wait(item, h);
     float* o = private_o + i * item_rows * D;
     float* m = private_mn + 2 * i * item_rows;
     float* n = m + item_rows;
