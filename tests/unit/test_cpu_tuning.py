@@ -117,6 +117,46 @@ def test_a_change_needs_min_gain(monkeypatch):
                                                                         cpu_tuning.CANDIDATES.items()})
 
 
+def test_a_change_one_round_finds_is_timed_again_before_it_is_kept(monkeypatch):
+    """A step of few candidates whose one round puts another value MIN_GAIN ahead times it again, head to head
+    with the current value and with FINAL_REPEATS; only a second win changes the value."""
+    default = cpu_tuning.CpuTuning()
+    names = ("prefetch_distance",)
+    now = (default.prefetch_distance,)
+    other = next((c,) for c in cpu_tuning.CANDIDATES["prefetch_distance"] if (c,) != now)
+    assert len(cpu_tuning.CANDIDATES["prefetch_distance"]) <= cpu_tuning.FINALISTS  # a step without screening
+    rounds = []
+
+    def timed_with(second_round_cost):
+        def timed(step_names, candidates, base, calls, flush, repeats):
+            if step_names != names:
+                return {c: 1.0 for c in candidates}
+            rounds.append((list(candidates), repeats))
+            cost = 0.8 if len(rounds) == 1 else second_round_cost  # `other` in the first round, then again
+            return {c: cost if c == other else 1.0 for c in candidates}
+        return timed
+
+    monkeypatch.setattr(tree_reach, "measure_reach", lambda shape: (4, {}))
+    monkeypatch.setattr(cpu_tuning, "_time_candidates", timed_with(1.01))  # a lucky first round
+    tuning, measured = cpu_tuning.measure(SMALL)
+    assert tuning.tiles.prefetch_distance == default.prefetch_distance
+    assert rounds[1] == ([now, other], cpu_tuning.FINAL_REPEATS) and rounds[0][1] == cpu_tuning.REPEATS
+    assert measured["prefetch_distance (first round)"][cpu_tuning.candidate_name(other)] == 0.8
+    assert measured["prefetch_distance"] == {cpu_tuning.candidate_name(now): 1.0,
+                                             cpu_tuning.candidate_name(other): 1.01}
+
+    rounds.clear()
+    monkeypatch.setattr(cpu_tuning, "_time_candidates", timed_with(0.9))  # found again
+    assert cpu_tuning.measure(SMALL)[0].tiles.prefetch_distance == other[0]
+    assert len(rounds) == 2
+
+    rounds.clear()
+    monkeypatch.setattr(cpu_tuning, "_time_candidates", timed_with(0.9))
+    monkeypatch.setattr(cpu_tuning, "MIN_GAIN", 0.5)  # the first round finds no change: one round only
+    assert cpu_tuning.measure(SMALL)[0].tiles.prefetch_distance == default.prefetch_distance
+    assert len(rounds) == 1
+
+
 def test_tile_keys_and_prefetch_pace_are_searched_jointly(monkeypatch):
     """A cost surface where the best pair lies off both axes through the default: one parameter after
     the other would stop at (256 keys, its default pace); the joint step finds (128 keys, spread 8), and

@@ -31,8 +31,10 @@ affect (`WORKLOADS`) with the caches evicted before each call (as a serving
 step finds them: the other layers' weights and KV pass through in between;
 measured warm, a Zen 3 chose the prefetch pace that is 1.17x slower from
 memory), candidates interleaved in rotating order, a step of many candidates
-timed again on its `FINALISTS` with more repeats, a change kept
-only if it beats the current value by `MIN_GAIN`; then, with those tiles, the
+timed again on its `FINALISTS` with more repeats (a step of few
+candidates: a change its one round finds, timed again against the current
+value), a change kept only if it beats the current value by `MIN_GAIN` in the
+last round; then, with those tiles, the
 tree path's reach. That takes seconds (13 to 33 on a 2-core Zen 4);
 the result goes to the cache file and into the kernels, and is logged once.
 A cache file that cannot be read or does not match is measured again; the
@@ -98,14 +100,17 @@ MIN_GAIN = 0.03  # a candidate must be this much faster than the current value t
 REPEATS = 5
 # A step of more candidates than FINALISTS screens them all with SCREEN_REPEATS, then times the FINALISTS
 # fastest and the current value again with FINAL_REPEATS: of many candidates whose costs lie within their
-# noise, the fastest of one round is often only the luckiest.
+# noise, the fastest of one round is often only the luckiest. A step of fewer times them with REPEATS, and a
+# change that round finds is timed again, head to head with the current value, with FINAL_REPEATS: one
+# round is one sample of a noisy machine (a Zen 4's bf16 16-head tuning once took prefetch distance 0 at
+# 0.85 of distance 1's time in one round; timed again on the same workload it was 1.03 to 1.06).
 FINALISTS = 4
 SCREEN_REPEATS = 3
 FINAL_REPEATS = 8
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 
 
 _DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
@@ -305,10 +310,15 @@ def _time_candidates(names: tuple[str, ...], candidates: list[tuple[int, ...]], 
     return {c: sum(t / t0 for t, t0 in zip(fastest[c], first)) for c in candidates}
 
 
+def _beats(cost: dict, candidate: tuple[int, ...], now: tuple[int, ...]) -> bool:
+    """Whether `candidate` is MIN_GAIN faster than the current value in one round's relative costs."""
+    return cost[candidate] < cost[now] * (1.0 - MIN_GAIN)
+
+
 def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
     """Coordinate descent from the default tiles over SEARCH_STEPS, then the tree path's reach with the
     tiles chosen (module docstring). Returns the tuning and, per step, each candidate's relative time
-    (for a step with finalists, also the first round's)."""
+    (for a step timed twice, also the first round's)."""
     calls = workloads(shape)
     flush = CacheFlusher()
     best = CpuTuning()
@@ -320,14 +330,17 @@ def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
             step_calls = [calls[w] for w in dict.fromkeys(w for n in names for w in WORKLOADS[n])]
             screen = len(candidates) > FINALISTS
             cost = _time_candidates(names, candidates, best, step_calls, flush, SCREEN_REPEATS if screen else REPEATS)
-            if screen:
+            winner = min(cost, key=cost.get)
+            if screen or _beats(cost, winner, now):
+                # The second round decides (FINAL_REPEATS, above).
                 measured[f"{step_name(names)} (first round)"] = {candidate_name(c): round(v, 4)
                                                                  for c, v in cost.items()}
-                finalists = [now] + [c for c in sorted(cost, key=cost.get) if c != now][:FINALISTS]
+                finalists = [now] + ([c for c in sorted(cost, key=cost.get) if c != now][:FINALISTS]
+                                     if screen else [winner])
                 cost = _time_candidates(names, finalists, best, step_calls, flush, FINAL_REPEATS)
+                winner = min(cost, key=cost.get)
             measured[step_name(names)] = {candidate_name(c): round(v, 4) for c, v in cost.items()}
-            winner = min(cost, key=cost.get)
-            if cost[winner] < cost[now] * (1.0 - MIN_GAIN):
+            if _beats(cost, winner, now):
                 best = dataclasses.replace(best, **dict(zip(names, winner)))
     finally:
         best.apply()
