@@ -484,8 +484,8 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // ---- Memory-bound work in the gaps of the compute-bound lanes calls (the
   // file's comment): items g of both phases in handout order, g < num_chunk_items
   // a phase-1 item, else phase-2 item g - num_chunk_items; claimed and run a KV
-  // head at a time, so that a thread that needs an
-  // item waits at most for the one head a gap has in hand.
+  // head at a time, so that a thread that needs an item waits at most for the
+  // one head a gap has in hand.
   const int64_t num_all_items = num_chunk_items + num_seq_items;
   auto gap_heads = [&](int64_t g) {
     return g < num_chunk_items ? static_cast<int64_t>(plan.items[g * kPlanRowInts + kItemHeads])
