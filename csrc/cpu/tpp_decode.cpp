@@ -116,13 +116,6 @@ class GapClaims {
 // Whether the gaps take an item, pass it over, or take none from it on.
 enum class GapFit { kTake, kSkip, kStop };
 
-// Work run in a phase-1 item's lanes call (GapWorkTaker) keeps its query rows and arguments apart from the
-// driver scratch that the item's own are in.
-cpu::DriverScratch& gap_work_scratch() {
-  static thread_local cpu::DriverScratch s;
-  return s;
-}
-
 // The tree context's arrays (PrefixTreeContext), as raw pointers.
 struct TreeContextView {
   const int32_t* order;
@@ -294,107 +287,144 @@ struct DecodePlanView {
   const int32_t* row_order;
 };
 
+// One tpp_decode call: the plan's items of both phases over one layer's
+// tensors (the file's comment). The constructor takes the shapes and sets up
+// the partials; run() hands out the items.
 template <typename qscalar_t>
-void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const TreeContextView& ctx,
-                     const DecodePlanView& plan, const AttentionVariant& variant) {
-  const float scale = variant.scale;
-  const int64_t window = variant.sliding_window;
-  const float* alibi = variant.alibi_slopes;
-  const int64_t batch = query.size(0), num_heads = query.size(1), D = query.size(2);
-  const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t num_nodes = plan.header.num_nodes;
-  const KernelTable& kern = cpu::select_kernels(kv_cache.scalar_type(), D);
-  const cpu::AttnFn lanes = cpu::cpu_tuning().decode_qk_inline ? kern.lanes_qk_inline : kern.lanes;
-  const KvView kv{kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), static_cast<int>(block_size)};
+class DecodeRun {
+ public:
+  DecodeRun(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+            const torch::Tensor& block_table, const torch::Tensor& seq_lens, const TreeContextView& ctx,
+            const DecodePlanView& plan, const AttentionVariant& variant)
+      : ctx_(ctx),
+        plan_(plan),
+        variant_(variant),
+        batch_(query.size(0)),
+        D_(query.size(2)),
+        num_kv_heads_(kv_cache.size(1)),
+        block_size_(kv_cache.size(2)),
+        group_(query.size(1) / kv_cache.size(1)),
+        kern_(cpu::select_kernels(kv_cache.scalar_type(), query.size(2))),
+        lanes_(cpu::cpu_tuning().decode_qk_inline ? kern_.lanes_qk_inline : kern_.lanes),
+        kv_{kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), static_cast<int>(block_size_)},
+        elem_bytes_(kv_cache.element_size()),
+        lens_(seq_lens.data_ptr<int32_t>()),
+        table_(block_table.data_ptr<int32_t>()),
+        table_stride_(block_table.stride(0)),
+        q_data_(query.data_ptr<qscalar_t>()),
+        q_s0_(query.stride(0)),
+        q_s1_(query.stride(1)),
+        out_data_(out.data_ptr<qscalar_t>()),
+        o_s0_(out.stride(0)),
+        o_s1_(out.stride(1)),
+        num_chunk_items_(plan.header.num_items),
+        heads_per_item_(plan.header.heads_per_item),
+        items_per_row_((num_kv_heads_ + heads_per_item_ - 1) / heads_per_item_),
+        num_seq_items_(batch_ * items_per_row_),
+        item_rows_(heads_per_item_ * group_),
+        seq_direct_(group_ <= kern_.direct_max_rows),
+        gaps_on_(seq_direct_ && cpu::cpu_tuning().lanes_prefetch_spread > 0),
+        part_rows_(static_cast<int64_t>(plan.header.num_slots) * group_),
+        pending_(new std::atomic<int32_t>[std::max<int64_t>(plan.header.num_nodes, 1)]),
+        claims_(num_chunk_items_ + num_seq_items_, num_kv_heads_) {
+    // Partials of phase 1 and the private parts of phase 2: the calling thread's scratch, reused across calls.
+    cpu::DriverScratch& caller = cpu::driver_scratch();
+    part_o_ = caller.get(4, static_cast<size_t>(num_kv_heads_ * part_rows_ * D_));
+    part_m_ = caller.get(5, static_cast<size_t>(2 * num_kv_heads_ * part_rows_));
+    part_n_ = part_m_ + num_kv_heads_ * part_rows_;
+    private_o_ = caller.get(6, static_cast<size_t>(num_seq_items_ * item_rows_ * D_));
+    private_mn_ = caller.get(7, static_cast<size_t>(2 * num_seq_items_ * item_rows_));
+    for (int64_t k = 0; k < plan.header.num_nodes; ++k)
+      pending_[k].store(static_cast<int32_t>(num_kv_heads_ * node_field(k, kNodePieces)));
+  }
 
-  const int32_t* ord = ctx.order;
-  const int32_t* nb = ctx.node_begin;
-  const int32_t* ncb = ctx.node_chunk_begin;
-  const int32_t* nce = ctx.node_chunk_end;
-  const int32_t* shc = ctx.shared_chunks;
-  const int32_t* rpo = ctx.row_partial_offsets;
-  const int32_t* rp = ctx.row_partials;
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t table_stride = block_table.stride(0);
-  const qscalar_t* q_data = query.data_ptr<qscalar_t>();
-  qscalar_t* out_data = out.data_ptr<qscalar_t>();
-  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
-  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
-  auto node_field = [&](int64_t k, PlanNodeField f) { return plan.node_work[k * kPlanRowInts + f]; };
+  // One parallel region for both phases: phase-1 items first (costliest
+  // first), then phase-2 items, which compute their private part before
+  // waiting for their partials. A second region would add a second fork/join,
+  // whose cost is a scheduler delay whenever another process holds a core.
+  // A phase-2 item knows the one its thread runs next, whose first private tile
+  // its last tiles prefetch.
+  void run() {
+    cpu::parallel_items_with_next(
+        num_chunk_items_ + num_seq_items_,
+        [&](int64_t i, int64_t next) {
+          if (i < num_chunk_items_) chunk_first(i);
+          else sequence_first(i - num_chunk_items_, next < 0 ? -1 : next - num_chunk_items_);
+        },
+        num_chunk_items_);
+  }
 
-  // Partials of phase 1, owned by the calling thread, reused across calls.
-  cpu::DriverScratch& caller = cpu::driver_scratch();
-  const int64_t part_rows = static_cast<int64_t>(plan.header.num_slots) * group;  // per kv head
-  float* part_o = caller.get(4, static_cast<size_t>(num_kv_heads * part_rows * D));
-  float* part_mn = caller.get(5, static_cast<size_t>(2 * num_kv_heads * part_rows));
-  float* part_m = part_mn;
-  float* part_n = part_mn + num_kv_heads * part_rows;
+ private:
+  class GapWorkTaker;
 
-  // Unfinished (split, KV head) pairs of each node's phase-1 items; phase-2 items wait on them before merging.
-  std::unique_ptr<std::atomic<int32_t>[]> pending(new std::atomic<int32_t>[std::max<int64_t>(num_nodes, 1)]);
-  for (int64_t k = 0; k < num_nodes; ++k)
-    pending[k].store(static_cast<int32_t>(num_kv_heads * node_field(k, kNodePieces)));
+  int32_t item_field(int64_t i, PlanItemField f) const { return plan_.items[i * kPlanRowInts + f]; }
+  int32_t node_field(int64_t k, PlanNodeField f) const { return plan_.node_work[k * kPlanRowInts + f]; }
+  int64_t private_keys(int64_t b) const { return lens_[b] - static_cast<int64_t>(ctx_.shared_chunks[b]) * block_size_; }
 
   // ---- Phase 1: chunk-first, one item per (node, kv heads, split).
-  const int64_t num_chunk_items = plan.header.num_items;
-  auto node_rows = [&](int64_t i) {
-    const int32_t k = plan.items[i * kPlanRowInts + kItemNode];
-    return static_cast<int64_t>(ctx.node_end[k] - nb[k]) * group;
-  };
+
+  int64_t node_rows(int64_t i) const {
+    const int32_t k = item_field(i, kItemNode);
+    return static_cast<int64_t>(ctx_.node_end[k] - ctx_.node_begin[k]) * group_;
+  }
+  // The first partial row of head h of node k's split s: slots of the split, in part_o's [kv head, slot, G] order.
+  int64_t partial_row(int32_t k, int32_t split, int32_t rows, int64_t h) const {
+    return h * part_rows_ + (node_field(k, kNodeFirstSlot) + static_cast<int64_t>(split) * rows) * group_;
+  }
+  // The item's (split, KV head) pairs [first, first + count) are written: phase-2 items may merge them.
+  void node_heads_done(int64_t i, int32_t count) {
+    pending_[item_field(i, kItemNode)].fetch_sub(count, std::memory_order_release);
+  }
+
   // Heads [first, first + count) of phase-1 item i (relative to its first) into the split's partials, with
   // the query rows and arguments in `scr`; a lanes call takes `gap` work into its gaps.
-  auto node_part = [&](int64_t i, int32_t first, int32_t count, cpu::DriverScratch& scr, cpu::GapWork* gap) {
-    const int32_t* item = plan.items + i * kPlanRowInts;
-    const int32_t k = item[kItemNode], h0 = item[kItemHeadOrTile] + first, s = item[kItemPiece], nh = count;
-    const int32_t rows = ctx.node_end[k] - nb[k];
+  void node_part(int64_t i, int32_t first, int32_t count, cpu::DriverScratch& scr, cpu::GapWork* gap) {
+    const int32_t k = item_field(i, kItemNode), h0 = item_field(i, kItemHeadOrTile) + first;
+    const int32_t split = item_field(i, kItemPiece), nh = count;
+    const int32_t* covered = ctx_.order + ctx_.node_begin[k];  // the node's batch rows
+    const int32_t rows = ctx_.node_end[k] - ctx_.node_begin[k];
     const int32_t per_split = node_field(k, kNodePieceSize);
-    const int64_t M = static_cast<int64_t>(rows) * group;
+    const int64_t M = static_cast<int64_t>(rows) * group_, D = D_;
     float* q = scr.get(0, nh * M * D);  // [nh, M, D]
     for (int32_t hh = 0; hh < nh; ++hh)
-      for (int32_t t = 0; t < rows; ++t) {
-        const int64_t b = ord[nb[k] + t];
-        for (int64_t g = 0; g < group; ++g)
-          cpu::load_scaled(q_data + b * q_s0 + ((h0 + hh) * group + g) * q_s1, D, scale,
-                           q + ((hh * rows + t) * group + g) * D);
-      }
-    const int32_t c0 = ncb[k] + s * per_split;
-    const int32_t c1 = std::min(nce[k], c0 + per_split);
-    // The partial rows of head h: slots of this split, in part_o's [kv head, slot, G] order.
-    auto partial_row = [&](int64_t h) {
-      return h * part_rows + (node_field(k, kNodeFirstSlot) + static_cast<int64_t>(s) * rows) * group;
-    };
-    AttnJob job{q, static_cast<int>(M), table + ord[nb[k]] * table_stride + c0,
-                static_cast<int>((c1 - c0) * block_size), h0, nullptr,
-                part_o + partial_row(h0) * D, part_m + partial_row(h0), part_n + partial_row(h0)};
-    job.q_scale = scale;
+      for (int32_t t = 0; t < rows; ++t)
+        for (int64_t g = 0; g < group_; ++g)
+          cpu::load_scaled(q_data_ + covered[t] * q_s0_ + ((h0 + hh) * group_ + g) * q_s1_, D, variant_.scale,
+                           q + ((hh * rows + t) * group_ + g) * D);
+    const int32_t c0 = ctx_.node_chunk_begin[k] + split * per_split;
+    const int32_t c1 = std::min(ctx_.node_chunk_end[k], c0 + per_split);
+    const int64_t row0 = partial_row(k, split, rows, h0);
+    AttnJob job{q, static_cast<int>(M), table_ + covered[0] * table_stride_ + c0,
+                static_cast<int>((c1 - c0) * block_size_), h0, nullptr,
+                part_o_ + row0 * D, part_m_ + row0, part_n_ + row0};
+    job.q_scale = variant_.scale;
     job.num_heads = nh;
-    job.softcap = variant.logits_soft_cap;
+    job.softcap = variant_.logits_soft_cap;
     // Per row, relative to the split's first key: its window's first key, its
     // position (for ALiBi; every key of a node lies before it) and its slopes.
+    const int64_t window = variant_.sliding_window;
+    const float* alibi = variant_.alibi_slopes;
     float* row_args = scr.get(3, (2 + nh) * M);
     float* first_key = row_args;
     float* q_pos = alibi ? row_args + M : nullptr;
     for (int32_t t = 0; (window > 0 || q_pos) && t < rows; ++t) {  // nothing to fill for a plain layer
-      const int64_t len = lens[ord[nb[k] + t]] - static_cast<int64_t>(c0) * block_size;
-      if (window > 0) std::fill_n(first_key + t * group, group, static_cast<float>(len - window));
-      if (q_pos) std::fill_n(q_pos + t * group, group, static_cast<float>(len - 1));
+      const int64_t len = lens_[covered[t]] - static_cast<int64_t>(c0) * block_size_;
+      if (window > 0) std::fill_n(first_key + t * group_, group_, static_cast<float>(len - window));
+      if (q_pos) std::fill_n(q_pos + t * group_, group_, static_cast<float>(len - 1));
     }
     if (alibi) {
       float* slopes = row_args + 2 * M;
       for (int32_t hh = 0; hh < nh; ++hh)
-        for (int64_t r = 0; r < M; ++r) slopes[hh * M + r] = alibi[(h0 + hh) * group + r % group];
+        for (int64_t r = 0; r < M; ++r) slopes[hh * M + r] = alibi[(h0 + hh) * group_ + r % group_];
       job.q_pos = q_pos;
       job.alibi_slopes = slopes;
     }
-    if (window > 0 && !cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size))) {
+    if (window > 0 && !cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size_))) {
       for (int32_t hh = 0; hh < nh; ++hh) {
-        const int64_t row0 = partial_row(h0 + hh);
-        std::fill_n(part_o + row0 * D, M * D, 0.f);
-        std::fill_n(part_m + row0, M, -std::numeric_limits<float>::infinity());
-        std::fill_n(part_n + row0, M, 0.f);
+        const int64_t row = partial_row(k, split, rows, h0 + hh);
+        std::fill_n(part_o_ + row * D, M * D, 0.f);
+        std::fill_n(part_m_ + row, M, -std::numeric_limits<float>::infinity());
+        std::fill_n(part_n_ + row, M, 0.f);
       }
       return;
     }
@@ -402,19 +432,21 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
       float* mn = scr.get(2, 2 * nh * M);
       job.o = scr.get(1, nh * M * D), job.m = mn, job.n = mn + nh * M;
     }
-    if (M <= kern.direct_max_rows) {
-      kern.direct(kv, job);
+    if (M <= kern_.direct_max_rows) {
+      kern_.direct(kv_, job);
     } else {
       job.gap = gap;
-      lanes(kv, job);
+      lanes_(kv_, job);
     }
     for (int32_t hh = 0; nh > 1 && hh < nh; ++hh) {
-      const int64_t row0 = partial_row(h0 + hh);
-      std::copy_n(job.o + hh * M * D, M * D, part_o + row0 * D);
-      std::copy_n(job.m + hh * M, M, part_m + row0);
-      std::copy_n(job.n + hh * M, M, part_n + row0);
+      const int64_t row = partial_row(k, split, rows, h0 + hh);
+      std::copy_n(job.o + hh * M * D, M * D, part_o_ + row * D);
+      std::copy_n(job.m + hh * M, M, part_m_ + row);
+      std::copy_n(job.n + hh * M, M, part_n_ + row);
     }
-  };
+  }
+
+  void chunk_first(int64_t i);
 
   // ---- Phase 2: sequence-first, one item per (batch row, group of kv heads);
   // rows with the most private tokens first. A group walks each private chunk's
@@ -424,264 +456,278 @@ void tpp_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   // phase-1 result: it runs either in its item or earlier, in the gaps of a
   // phase-1 lanes call (GapWorkTaker), into per-item buffers that the item then
   // merges its node partials into.
-  const int64_t heads_per_item = plan.header.heads_per_item;
-  const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
-  const int64_t num_seq_items = batch * items_per_row;
-  const bool seq_direct = group <= kern.direct_max_rows;
-  auto item_row = [&](int64_t i) { return plan.row_order[i / items_per_row]; };
-  auto item_head = [&](int64_t i) { return static_cast<int32_t>((i % items_per_row) * heads_per_item); };
-  auto item_heads = [&](int64_t i) { return std::min<int64_t>(heads_per_item, num_kv_heads - item_head(i)); };
-  const int64_t item_rows = heads_per_item * group;  // at most; an item's o is [rows, D] at i * item_rows * D
-  float* private_o = caller.get(6, static_cast<size_t>(num_seq_items * item_rows * D));
-  float* private_mn = caller.get(7, static_cast<size_t>(2 * num_seq_items * item_rows));
+
+  int64_t item_row(int64_t i) const { return plan_.row_order[i / items_per_row_]; }
+  int32_t item_head(int64_t i) const { return static_cast<int32_t>((i % items_per_row_) * heads_per_item_); }
+  int64_t item_heads(int64_t i) const { return std::min<int64_t>(heads_per_item_, num_kv_heads_ - item_head(i)); }
 
   // Heads [first, first + count) of item i (relative to its first) against the row's private chunks, into
   // the item's private_o / private_mn rows, with the query rows and arguments in `scr`; `next`: the item its
   // thread runs after this one (its first tile is prefetched), or -1.
-  auto private_part = [&](int64_t i, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
-    const int64_t b = item_row(i);
+  void private_part(int64_t i, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
+    const int64_t b = item_row(i), D = D_;
     const int32_t h0 = static_cast<int32_t>(item_head(i) + first);
-    const int64_t rows = count * group;  // q heads h0*group .. (h0+count)*group, in order
+    const int64_t rows = count * group_;  // q heads h0*group .. (h0+count)*group, in order
     float* q = scr.get(0, rows * D);
-    float* o = private_o + (i * item_rows + first * group) * D;
-    float* m = private_mn + 2 * i * item_rows + first * group;
-    float* n = m + item_rows;
+    float* o = private_o_ + (i * item_rows_ + first * group_) * D;
+    float* m = private_mn_ + 2 * i * item_rows_ + first * group_;
+    float* n = m + item_rows_;
     for (int64_t r = 0; r < rows; ++r)
-      cpu::load_scaled(q_data + b * q_s0 + (h0 * group + r) * q_s1, D, scale, q + r * D);
-    const int64_t shared = static_cast<int64_t>(shc[b]) * block_size;
-    const int num_private = static_cast<int>(lens[b] - shared);
-    AttnJob job{q, static_cast<int>(group), table + b * table_stride + shc[b], num_private, h0, nullptr, o, m, n,
-                static_cast<int>(count), scale};
-    job.softcap = variant.logits_soft_cap;
+      cpu::load_scaled(q_data_ + b * q_s0_ + (h0 * group_ + r) * q_s1_, D, variant_.scale, q + r * D);
+    const int32_t shared_chunks = ctx_.shared_chunks[b];
+    const int64_t shared = static_cast<int64_t>(shared_chunks) * block_size_;
+    const int num_private = static_cast<int>(private_keys(b));
+    AttnJob job{q, static_cast<int>(group_), table_ + b * table_stride_ + shared_chunks, num_private, h0, nullptr,
+                o, m, n, static_cast<int>(count), variant_.scale};
+    job.softcap = variant_.logits_soft_cap;
+    const int64_t window = variant_.sliding_window;
+    const float* alibi = variant_.alibi_slopes;
     if (next >= 0 && window <= 0) {  // a window may drop the next item's first chunks
       const int64_t next_b = item_row(next);
-      const int64_t next_keys = lens[next_b] - static_cast<int64_t>(shc[next_b]) * block_size;
+      const int64_t next_keys = private_keys(next_b);
       if (next_keys > 0)
-        job.after = {table[next_b * table_stride + shc[next_b]], item_head(next),
-                     static_cast<int>(std::min<int64_t>(next_keys, block_size))};
+        job.after = {table_[next_b * table_stride_ + ctx_.shared_chunks[next_b]], item_head(next),
+                     static_cast<int>(std::min<int64_t>(next_keys, block_size_))};
     }
     // The row's window start and position (for ALiBi), relative to its first private key.
-    float* row_args = scr.get(1, 2 * group);
+    float* row_args = scr.get(1, 2 * group_);
     float* first_key = row_args;
-    float* q_pos = alibi ? row_args + group : nullptr;
-    if (window > 0) std::fill_n(first_key, group, static_cast<float>(lens[b] - window - shared));
+    float* q_pos = alibi ? row_args + group_ : nullptr;
+    if (window > 0) std::fill_n(first_key, group_, static_cast<float>(lens_[b] - window - shared));
     if (alibi) {
-      std::fill_n(q_pos, group, static_cast<float>(lens[b] - 1 - shared));
+      std::fill_n(q_pos, group_, static_cast<float>(lens_[b] - 1 - shared));
       job.q_pos = q_pos;
-      job.alibi_slopes = alibi + h0 * group;  // [count, group]: the job's rows, head by head
+      job.alibi_slopes = alibi + h0 * group_;  // [count, group]: the job's rows, head by head
     }
     bool any_key = num_private > 0;
-    if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
+    if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size_));
     if (any_key) {
-      (seq_direct ? kern.direct : lanes)(kv, job);
+      (seq_direct_ ? kern_.direct : lanes_)(kv_, job);
     } else {
       std::fill(o, o + rows * D, 0.f);
       std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
       std::fill(n, n + rows, 0.f);
     }
-  };
+  }
+
+  void sequence_first(int64_t i, int64_t next);
 
   // ---- Memory-bound work in the gaps of the compute-bound lanes calls (the
-  // file's comment): items g of both phases in handout order, g < num_chunk_items
-  // a phase-1 item, else phase-2 item g - num_chunk_items; claimed and run a KV
+  // file's comment): items g of both phases in handout order, g < num_chunk_items_
+  // a phase-1 item, else phase-2 item g - num_chunk_items_; claimed and run a KV
   // head at a time, so that a thread that needs an item waits at most for the
   // one head a gap has in hand.
-  const int64_t num_all_items = num_chunk_items + num_seq_items;
-  auto gap_heads = [&](int64_t g) {
-    return g < num_chunk_items ? static_cast<int64_t>(plan.items[g * kPlanRowInts + kItemHeads])
-                               : item_heads(g - num_chunk_items);
-  };
-  GapClaims claims(num_all_items, num_kv_heads);
-  const int64_t elem_bytes = kv_cache.element_size();
-  const char* cache_bytes = static_cast<const char*>(kv.data);
-  auto tile_bytes = [&](int64_t block, int64_t head) {
-    return cache_bytes + (block * kv.block_stride + head * kv.head_stride) * elem_bytes;
-  };
+
+  int64_t gap_heads(int64_t g) const {
+    return g < num_chunk_items_ ? static_cast<int64_t>(item_field(g, kItemHeads)) : item_heads(g - num_chunk_items_);
+  }
   // Phase-1 items that run `direct` (few rows: memory bound) and phase-2 private parts of a chunk or more;
   // phase-2 items come longest first, so the first shorter one ends the gaps' share.
-  auto gap_fit = [&](int64_t g) {
-    if (g < num_chunk_items) return node_rows(g) <= kern.direct_max_rows ? GapFit::kTake : GapFit::kSkip;
-    const int64_t b = item_row(g - num_chunk_items);
-    return lens[b] - static_cast<int64_t>(shc[b]) * block_size >= block_size ? GapFit::kTake : GapFit::kStop;
-  };
+  GapFit gap_fit(int64_t g) const {
+    if (g < num_chunk_items_) return node_rows(g) <= kern_.direct_max_rows ? GapFit::kTake : GapFit::kSkip;
+    return private_keys(item_row(g - num_chunk_items_)) >= block_size_ ? GapFit::kTake : GapFit::kStop;
+  }
   // The cache lines of head `first` of item g: per chunk, its K rows and V rows (the live keys).
-  auto gap_lines = [&](int64_t g, int64_t first, std::vector<cpu::LineRun>& runs) {
+  void gap_lines(int64_t g, int64_t first, std::vector<cpu::LineRun>& runs) const {
     runs.clear();
     auto add_chunk = [&](int64_t block, int64_t head, int64_t keys) {
-      const char* k = tile_bytes(block, head);
-      const int lines = static_cast<int>((keys * D * elem_bytes + 63) / 64);
+      const char* k = static_cast<const char*>(kv_.data) + (block * kv_.block_stride + head * kv_.head_stride) * elem_bytes_;
+      const int lines = static_cast<int>((keys * D_ * elem_bytes_ + 63) / 64);
       runs.push_back({k, lines});
-      runs.push_back({k + block_size * D * elem_bytes, lines});
+      runs.push_back({k + block_size_ * D_ * elem_bytes_, lines});
     };
-    if (g < num_chunk_items) {
-      const int32_t* item = plan.items + g * kPlanRowInts;
-      const int32_t k = item[kItemNode];
-      const int32_t c0 = ncb[k] + item[kItemPiece] * node_field(k, kNodePieceSize);
-      const int32_t c1 = std::min(nce[k], c0 + node_field(k, kNodePieceSize));
-      for (int32_t c = c0; c < c1; ++c)
-        add_chunk(table[ord[nb[k]] * table_stride + c], item[kItemHeadOrTile] + first, block_size);
+    if (g < num_chunk_items_) {
+      const int32_t k = item_field(g, kItemNode), per_split = node_field(k, kNodePieceSize);
+      const int32_t c0 = ctx_.node_chunk_begin[k] + item_field(g, kItemPiece) * per_split;
+      const int32_t c1 = std::min(ctx_.node_chunk_end[k], c0 + per_split);
+      const int32_t* blocks = table_ + ctx_.order[ctx_.node_begin[k]] * table_stride_;
+      for (int32_t c = c0; c < c1; ++c) add_chunk(blocks[c], item_field(g, kItemHeadOrTile) + first, block_size_);
       return;
     }
-    const int64_t i = g - num_chunk_items, b = item_row(i);
-    const int64_t num_private = lens[b] - static_cast<int64_t>(shc[b]) * block_size;
-    for (int64_t c = 0; c * block_size < num_private; ++c)
-      add_chunk(table[b * table_stride + shc[b] + c], item_head(i) + first,
-                std::min<int64_t>(block_size, num_private - c * block_size));
-  };
+    const int64_t i = g - num_chunk_items_, b = item_row(i), num_private = private_keys(b);
+    const int32_t* blocks = table_ + b * table_stride_ + ctx_.shared_chunks[b];
+    for (int64_t c = 0; c * block_size_ < num_private; ++c)
+      add_chunk(blocks[c], item_head(i) + first, std::min<int64_t>(block_size_, num_private - c * block_size_));
+  }
   // Heads [first, first + count) of item g, by the thread that claimed them (scr: the query rows' scratch);
   // `next`: the phase-2 item this thread runs next, or -1.
-  auto run_heads = [&](int64_t g, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
-    if (g < num_chunk_items) {
+  void run_heads(int64_t g, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
+    if (g < num_chunk_items_) {
       node_part(g, static_cast<int32_t>(first), static_cast<int32_t>(count), scr, nullptr);
-      pending[plan.items[g * kPlanRowInts + kItemNode]].fetch_sub(static_cast<int32_t>(count),
-                                                                   std::memory_order_release);
+      node_heads_done(g, static_cast<int32_t>(count));
     } else {
-      private_part(g - num_chunk_items, first, count, scr, next);
+      private_part(g - num_chunk_items_, first, count, scr, next);
     }
-    for (int64_t h = first; h < first + count; ++h) claims.written(g, h);
-  };
+    for (int64_t h = first; h < first + count; ++h) claims_.written(g, h);
+  }
   // Runs the heads of item g that this thread claims, in runs of adjacent heads (one `direct` call walks a
   // chunk's heads back to back); returns whether another thread had claimed any.
-  auto run_claimed_heads = [&](int64_t g, cpu::DriverScratch& scr, int64_t next) {
+  bool run_claimed_heads(int64_t g, cpu::DriverScratch& scr, int64_t next) {
     bool others = false;
     for (int64_t h = 0, heads = gap_heads(g); h < heads;) {
-      if (!claims.claim(g, h)) {
+      if (!claims_.claim(g, h)) {
         others = true, ++h;
         continue;
       }
       int64_t end = h + 1;
-      while (end < heads && claims.claim(g, end)) ++end;
+      while (end < heads && claims_.claim(g, end)) ++end;
       run_heads(g, h, end - h, scr, next);
       h = end;
     }
     return others;
-  };
-  auto gap_run = [&](int64_t g, int64_t head) { run_heads(g, head, 1, gap_work_scratch(), -1); };
-  // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch) and a lanes tile
-  // can prefetch for it.
-  const bool gaps_on = seq_direct && cpu::cpu_tuning().lanes_prefetch_spread > 0;
-  // A phase-1 lanes call's taker: items in handout order, a KV head at a time; the head's lines go to the
-  // tile's prefetches, and it runs at the first gap after the last of them, from the caches.
-  struct GapWorkTaker final : cpu::GapWork {
-    decltype(gap_fit)& fit;
-    decltype(gap_heads)& heads_of;
-    decltype(gap_lines)& lines_of;
-    decltype(gap_run)& run;
-    GapClaims& claims;
-    int64_t num_items;
-    std::vector<cpu::LineRun>& runs;  // of the claimed head
-    int64_t item = -1, head = 0;      // the item being taken, and its claimed head (-1: none yet)
-    size_t run_index = 0;
-    int line = 0;  // into runs[run_index]
+  }
 
-    GapWorkTaker(decltype(gap_fit)& fit, decltype(gap_heads)& heads_of, decltype(gap_lines)& lines_of,
-                 decltype(gap_run)& run, GapClaims& claims, int64_t num_items, std::vector<cpu::LineRun>& runs)
-        : fit(fit), heads_of(heads_of), lines_of(lines_of), run(run), claims(claims),
-          num_items(num_items), runs(runs) {}
+  // The call's tensors and plan.
+  const TreeContextView& ctx_;
+  const DecodePlanView& plan_;
+  const AttentionVariant& variant_;
+  const int64_t batch_, D_, num_kv_heads_, block_size_, group_;
+  const KernelTable& kern_;
+  const cpu::AttnFn lanes_;
+  const KvView kv_;
+  const int64_t elem_bytes_;
+  const int32_t* lens_;
+  const int32_t* table_;
+  const int64_t table_stride_;
+  const qscalar_t* q_data_;
+  const int64_t q_s0_, q_s1_;
+  qscalar_t* out_data_;
+  const int64_t o_s0_, o_s1_;
+  // The work: phase-1 items, then phase-2 items of heads_per_item_ KV heads each.
+  const int64_t num_chunk_items_, heads_per_item_, items_per_row_, num_seq_items_;
+  const int64_t item_rows_;  // at most; phase-2 item i's o is [rows, D] at i * item_rows_ * D
+  const bool seq_direct_;    // phase-2 items run `direct`
+  // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch) and a lanes
+  // tile can prefetch for it.
+  const bool gaps_on_;
+  // Phase-1 partials: o [num_kv_heads, slots, G, D], m and n [num_kv_heads, slots, G]; phase-2 private parts.
+  const int64_t part_rows_;  // per KV head
+  float* part_o_ = nullptr;
+  float* part_m_ = nullptr;
+  float* part_n_ = nullptr;
+  float* private_o_ = nullptr;
+  float* private_mn_ = nullptr;
+  // Unfinished (split, KV head) pairs of each node's phase-1 items; phase-2 items wait on them before merging.
+  std::unique_ptr<std::atomic<int32_t>[]> pending_;
+  GapClaims claims_;
+};
 
-    cpu::LineRun next_lines(int max_lines) override {
-      if (item < 0 || run_index >= runs.size()) return {};
-      const cpu::LineRun& r = runs[run_index];
-      const cpu::LineRun piece{r.p + int64_t{line} * 64, std::min(max_lines, r.lines - line)};
-      line += piece.lines;
-      if (line >= r.lines) line = 0, ++run_index;
-      return piece;
+// A phase-1 lanes call's taker: items in handout order, a KV head at a time; the head's lines go to the
+// tile's prefetches, and it runs at the first gap after the last of them, from the caches.
+template <typename qscalar_t>
+class DecodeRun<qscalar_t>::GapWorkTaker final : public cpu::GapWork {
+ public:
+  GapWorkTaker(DecodeRun& run, std::vector<cpu::LineRun>& runs) : run_(run), runs_(runs) {}
+
+  cpu::LineRun next_lines(int max_lines) override {
+    if (item_ < 0 || run_index_ >= runs_.size()) return {};
+    const cpu::LineRun& r = runs_[run_index_];
+    const cpu::LineRun piece{r.p + int64_t{line_} * 64, std::min(max_lines, r.lines - line_)};
+    line_ += piece.lines;
+    if (line_ >= r.lines) line_ = 0, ++run_index_;
+    return piece;
+  }
+  void in_gap() override {
+    if (item_ >= 0) {
+      if (run_index_ < runs_.size()) return;  // lines still to ask for
+      run_claimed_head();
+      ++head_;
     }
-    void in_gap() override {
-      if (item >= 0) {
-        if (run_index < runs.size()) return;  // lines still to ask for
-        run(item, head);
-        ++head;
+    // The next head this taker claims: of this item, else of the next item it fits.
+    for (;;) {
+      if (item_ >= 0) {
+        while (head_ < run_.gap_heads(item_) && !run_.claims_.claim(item_, head_)) ++head_;
+        if (head_ < run_.gap_heads(item_)) break;
       }
-      // The next head this taker claims: of this item, else of the next item it fits.
-      for (;;) {
-        if (item >= 0) {
-          while (head < heads_of(item) && !claims.claim(item, head)) ++head;
-          if (head < heads_of(item)) break;
-        }
-        item = claims.next_for_gaps.fetch_add(1, std::memory_order_relaxed), head = 0;
-        const GapFit f = item < num_items ? fit(item) : GapFit::kStop;
-        if (f == GapFit::kStop) {
-          item = -1;
-          return;
-        }
-        if (f == GapFit::kSkip) item = -1;
+      item_ = run_.claims_.next_for_gaps.fetch_add(1, std::memory_order_relaxed), head_ = 0;
+      const GapFit fit = item_ < run_.num_chunk_items_ + run_.num_seq_items_ ? run_.gap_fit(item_) : GapFit::kStop;
+      if (fit == GapFit::kStop) {
+        item_ = -1;
+        return;
       }
-      lines_of(item, head, runs);
-      run_index = 0, line = 0;
+      if (fit == GapFit::kSkip) item_ = -1;
     }
-    // Runs the claimed head, if any.
-    void finish() {
-      if (item >= 0 && head < heads_of(item)) run(item, head);
-      item = -1;
-    }
+    run_.gap_lines(item_, head_, runs_);
+    run_index_ = 0, line_ = 0;
+  }
+  // Runs the claimed head, if any.
+  void finish() {
+    if (item_ >= 0 && head_ < run_.gap_heads(item_)) run_claimed_head();
+    item_ = -1;
+  }
+
+ private:
+  // Gap work keeps its query rows and arguments apart from the driver scratch that the lanes call's are in.
+  void run_claimed_head() {
+    static thread_local cpu::DriverScratch scratch;
+    run_.run_heads(item_, head_, 1, scratch, -1);
+  }
+
+  DecodeRun& run_;
+  std::vector<cpu::LineRun>& runs_;  // of the claimed head
+  int64_t item_ = -1, head_ = 0;     // the item being taken, and its claimed head
+  size_t run_index_ = 0;
+  int line_ = 0;  // into runs_[run_index_]
+};
+
+template <typename qscalar_t>
+void DecodeRun<qscalar_t>::chunk_first(int64_t i) {
+  if (gaps_on_ && gap_fit(i) == GapFit::kTake) {  // a lanes call's gaps may have taken some of its heads
+    run_claimed_heads(i, cpu::driver_scratch(), -1);
+    return;
+  }
+  static thread_local std::vector<cpu::LineRun> gap_runs;
+  GapWorkTaker gaps(*this, gap_runs);
+  const int32_t heads = item_field(i, kItemHeads);
+  node_part(i, 0, heads, cpu::driver_scratch(), gaps_on_ ? &gaps : nullptr);
+  gaps.finish();
+  node_heads_done(i, heads);
+}
+
+template <typename qscalar_t>
+void DecodeRun<qscalar_t>::sequence_first(int64_t i, int64_t next) {
+  const int64_t b = item_row(i), D = D_;
+  const int32_t h0 = item_head(i);
+  const int64_t rows = item_heads(i) * group_;
+  const int64_t g = num_chunk_items_ + i;  // in handout order
+  if (run_claimed_heads(g, cpu::driver_scratch(), next))
+    for (int64_t h = 0; h < item_heads(i); ++h) claims_.wait(g, h);
+  float* o = private_o_ + i * item_rows_ * D;
+  float* m = private_mn_ + 2 * i * item_rows_;
+  float* n = m + item_rows_;
+
+  // The row's node partials: all phase-1 items were handed out before this
+  // item, so at most the ones still running on other threads are waited for.
+  const int32_t* partials = ctx_.row_partials;
+  const int32_t first_partial = ctx_.row_partial_offsets[b], end_partial = ctx_.row_partial_offsets[b + 1];
+  auto partial_field = [&](int32_t e, PlanPartialField f) {
+    return plan_.partial_work[static_cast<int64_t>(partials[e]) * kPlanRowInts + f];
   };
+  for (int32_t e = first_partial; e < end_partial; ++e) {
+    const std::atomic<int32_t>& left = pending_[partial_field(e, kPartialNode)];
+    while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
 
-  auto chunk_first = [&](int64_t i) {
-    if (gaps_on && gap_fit(i) == GapFit::kTake) {  // a lanes call's gaps may have taken some of its heads
-      run_claimed_heads(i, cpu::driver_scratch(), -1);
-      return;
-    }
-    static thread_local std::vector<cpu::LineRun> gap_runs;
-    GapWorkTaker gaps(gap_fit, gap_heads, gap_lines, gap_run, claims, num_all_items, gap_runs);
-    const int32_t heads = plan.items[i * kPlanRowInts + kItemHeads];
-    node_part(i, 0, heads, cpu::driver_scratch(), gaps_on ? &gaps : nullptr);
-    gaps.finish();
-    pending[plan.items[i * kPlanRowInts + kItemNode]].fetch_sub(heads, std::memory_order_release);
-  };
-
-  auto sequence_first = [&](int64_t i, int64_t next) {
-    const int64_t b = item_row(i);
-    const int32_t h0 = item_head(i);
-    const int64_t rows = item_heads(i) * group;
-    const int64_t item = num_chunk_items + i;  // in handout order
-    if (run_claimed_heads(item, cpu::driver_scratch(), next))
-      for (int64_t h = 0; h < item_heads(i); ++h) claims.wait(item, h);
-    float* o = private_o + i * item_rows * D;
-    float* m = private_mn + 2 * i * item_rows;
-    float* n = m + item_rows;
-
-    // The row's node partials: all phase-1 items were handed out before this
-    // item, so at most the ones still running on other threads are waited for.
-    for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-      const std::atomic<int32_t>& left = pending[plan.partial_work[rp[e] * kPlanRowInts + kPartialNode]];
-      while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
-    }
-
-    // Merge (equation 2): each node partial into the row's own part, in place;
-    // then the sink, if any; normalise once.
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = h0 + r / group, g = r % group;
-      PartialState total{m[r], n[r]};
-      float* acc = o + r * D;
-      for (int32_t e = rpo[b]; e < rpo[b + 1]; ++e) {
-        const int32_t* partial = plan.partial_work + static_cast<int64_t>(rp[e]) * kPlanRowInts;
-        for (int32_t s = 0; s < partial[kPartialPieces]; ++s) {
-          const int64_t row =
-              h * part_rows + (partial[kPartialFirstSlot] + static_cast<int64_t>(s) * partial[kPartialSlotStride]) * group + g;
-          const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m[row], part_n[row]});
-          const float* po = part_o + row * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
-        }
+  // Merge (equation 2): each node partial into the row's own part, in place;
+  // then the sink, if any; normalise once.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t h = h0 + r / group_, in_group = r % group_;
+    PartialState total{m[r], n[r]};
+    float* acc = o + r * D;
+    for (int32_t e = first_partial; e < end_partial; ++e) {
+      for (int32_t s = 0; s < partial_field(e, kPartialPieces); ++s) {
+        const int64_t slot =
+            partial_field(e, kPartialFirstSlot) + static_cast<int64_t>(s) * partial_field(e, kPartialSlotStride);
+        const int64_t row = h * part_rows_ + slot * group_ + in_group;
+        const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m_[row], part_n_[row]});
+        const float* po = part_o_ + row * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
       }
-      const float sink_scale = variant.sinks ? merge_sink<NaturalExp>(total, variant.sinks[h0 * group + r]) : 1.f;
-      cpu::store_row(acc, D, out_data + b * o_s0 + (h0 * group + r) * o_s1, sink_scale * inverse_sum(total.n));
     }
-  };
-
-  // One parallel region for both phases: phase-1 items first (costliest
-  // first), then phase-2 items, which compute their private part before
-  // waiting for their partials. A second region would add a second fork/join,
-  // whose cost is a scheduler delay whenever another process holds a core.
-  // A phase-2 item knows the one its thread runs next, whose first private tile
-  // its last tiles prefetch.
-  cpu::parallel_items_with_next(
-      num_all_items,
-      [&](int64_t i, int64_t next) {
-        if (i < num_chunk_items) chunk_first(i);
-        else sequence_first(i - num_chunk_items, next < 0 ? -1 : next - num_chunk_items);
-      },
-      num_chunk_items);
+    const float sink_scale =
+        variant_.sinks ? merge_sink<NaturalExp>(total, variant_.sinks[h0 * group_ + r]) : 1.f;
+    cpu::store_row(acc, D, out_data_ + b * o_s0_ + (h0 * group_ + r) * o_s1_, sink_scale * inverse_sum(total.n));
+  }
 }
 
 }  // namespace
@@ -779,7 +825,7 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   const AttentionVariant variant =
       attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {
-    tpp_decode_impl<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, variant);
+    DecodeRun<scalar_t>(out, query, kv_cache, block_table, seq_lens, ctx, plan, variant).run();
   });
 }
 
