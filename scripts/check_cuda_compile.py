@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,12 @@ def dynamic_for(kernel: str) -> str:
     return f"{dynamic_smem_bytes(head_size, 16)} (G <= 16) to {dynamic_smem_bytes(head_size, 64)} (G = 64)"
 
 
+def timed_run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done, time.monotonic() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", nargs="+", default=["80", "90"], help="SM versions (default: 80 90)")
@@ -156,14 +163,28 @@ def main(argv: list[str] | None = None) -> int:
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in args.archs]
     defines = ["-DTORCH_EXTENSION_NAME=_C_cuda"] + (["-DCHUNKATTN_CI_MINIMAL"] if args.minimal else [])
 
-    failures, rows = [], []
+    # Every compiler call is independent: they run side by side, one per CPU, and are reported in file order.
+    nvcc_jobs = []
     for cu in sorted((CSRC / "cuda").glob("*.cu")):
         cmd = [nvcc, "-c", str(cu), "-o", str(build / f"{cu.stem}.o"), "-O3", "-std=c++20",
                *nvcc_torch_flags, "--expt-relaxed-constexpr", f"-I{CSRC}", *[f"-I{d}" for d in torch_includes],
                *gencode, "-Xptxas", "-v", *defines]
-        started = time.monotonic()
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        took = time.monotonic() - started
+        nvcc_jobs.append((cu, cmd))
+    host_jobs = []
+    if not args.no_host:
+        cxx = os.environ.get("CXX", "g++")
+        py_include = sysconfig.get_paths()["include"]
+        for cpp in sorted((CSRC / "cuda").glob("*.cpp")):
+            cmd = [cxx, "-fsyntax-only", "-std=c++20", str(cpp), f"-I{CSRC}", *([f"-I{shim}"] if shim else []),
+                   *[f"-I{d}" for d in torch_includes], *([f"-I{cuda_include}"] if cuda_include else []),
+                   f"-I{py_include}", *defines]
+            host_jobs.append((cpp, cmd))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the host checks take longest: first
+        finished = list(pool.map(timed_run, [cmd for _, cmd in host_jobs + nvcc_jobs]))
+    host_done, nvcc_done = finished[:len(host_jobs)], finished[len(host_jobs):]
+
+    failures, rows = [], []
+    for (cu, _), (done, took) in zip(nvcc_jobs, nvcc_done):
         status = "ok" if done.returncode == 0 else "FAILED"
         print(f"nvcc {cu.relative_to(ROOT)} [{' '.join('sm_' + a for a in args.archs)}]: {status} ({took:.0f} s)")
         errors = [ln for ln in (done.stdout + done.stderr).splitlines() if "error" in ln or "warning" in ln.lower()
@@ -176,22 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         for row in parse_ptxas(done.stdout + done.stderr):
             row["file"] = cu.name
             rows.append(row)
-
-    if not args.no_host:
-        cxx = os.environ.get("CXX", "g++")
-        py_include = sysconfig.get_paths()["include"]
-        for cpp in sorted((CSRC / "cuda").glob("*.cpp")):
-            cmd = [cxx, "-fsyntax-only", "-std=c++20", str(cpp), f"-I{CSRC}", *([f"-I{shim}"] if shim else []),
-                   *[f"-I{d}" for d in torch_includes], *([f"-I{cuda_include}"] if cuda_include else []),
-                   f"-I{py_include}", *defines]
-            started = time.monotonic()
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            status = "ok" if done.returncode == 0 else "FAILED"
-            print(f"{cxx} -fsyntax-only {cpp.relative_to(ROOT)}: {status} ({time.monotonic() - started:.0f} s)")
-            if done.returncode:
-                failures.append(str(cpp))
-                for line in [ln for ln in done.stderr.splitlines() if "error" in ln][:40]:
-                    print("   ", line)
+    for (cpp, cmd), (done, took) in zip(host_jobs, host_done):
+        status = "ok" if done.returncode == 0 else "FAILED"
+        print(f"{cmd[0]} -fsyntax-only {cpp.relative_to(ROOT)}: {status} ({took:.0f} s)")
+        if done.returncode:
+            failures.append(str(cpp))
+            for line in [ln for ln in done.stderr.splitlines() if "error" in ln][:40]:
+                print("   ", line)
 
     header = ["kernel", "file", "arch", "registers", "spill st/ld (B)", "stack (B)", "static smem (B)",
               "dynamic smem (B)"]
