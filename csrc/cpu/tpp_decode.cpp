@@ -371,6 +371,15 @@ class DecodeRun {
   int64_t partial_row(int32_t k, int32_t split, int32_t rows, int64_t h) const {
     return h * part_rows_ + (node_field(k, kNodeFirstSlot) + static_cast<int64_t>(split) * rows) * group_;
   }
+  // The block-table columns [begin, end) that split `split` of node k covers.
+  struct ChunkRange {
+    int32_t begin, end;
+  };
+  ChunkRange split_chunks(int32_t k, int32_t split) const {
+    const int32_t per_split = node_field(k, kNodePieceSize);
+    const int32_t begin = ctx_.node_chunk_begin[k] + split * per_split;
+    return {begin, std::min(ctx_.node_chunk_end[k], begin + per_split)};
+  }
   // The item's (split, KV head) pairs [first, first + count) are written: phase-2 items may merge them.
   void node_heads_done(int64_t i, int32_t count) {
     pending_[item_field(i, kItemNode)].fetch_sub(count, std::memory_order_release);
@@ -383,7 +392,6 @@ class DecodeRun {
     const int32_t split = item_field(i, kItemPiece), nh = count;
     const int32_t* covered = ctx_.order + ctx_.node_begin[k];  // the node's batch rows
     const int32_t rows = ctx_.node_end[k] - ctx_.node_begin[k];
-    const int32_t per_split = node_field(k, kNodePieceSize);
     const int64_t M = static_cast<int64_t>(rows) * group_, D = D_;
     float* q = scr.get(0, nh * M * D);  // [nh, M, D]
     for (int32_t hh = 0; hh < nh; ++hh)
@@ -391,8 +399,7 @@ class DecodeRun {
         for (int64_t g = 0; g < group_; ++g)
           cpu::load_scaled(q_data_ + covered[t] * q_s0_ + ((h0 + hh) * group_ + g) * q_s1_, D, variant_.scale,
                            q + ((hh * rows + t) * group_ + g) * D);
-    const int32_t c0 = ctx_.node_chunk_begin[k] + split * per_split;
-    const int32_t c1 = std::min(ctx_.node_chunk_end[k], c0 + per_split);
+    const auto [c0, c1] = split_chunks(k, split);
     const int64_t row0 = partial_row(k, split, rows, h0);
     AttnJob job{q, static_cast<int>(M), table_ + covered[0] * table_stride_ + c0,
                 static_cast<int>((c1 - c0) * block_size_), h0, nullptr,
@@ -537,9 +544,8 @@ class DecodeRun {
       runs.push_back({k + block_size_ * D_ * elem_bytes_, lines});
     };
     if (g < num_chunk_items_) {
-      const int32_t k = item_field(g, kItemNode), per_split = node_field(k, kNodePieceSize);
-      const int32_t c0 = ctx_.node_chunk_begin[k] + item_field(g, kItemPiece) * per_split;
-      const int32_t c1 = std::min(ctx_.node_chunk_end[k], c0 + per_split);
+      const int32_t k = item_field(g, kItemNode);
+      const auto [c0, c1] = split_chunks(k, item_field(g, kItemPiece));
       const int32_t* blocks = table_ + ctx_.order[ctx_.node_begin[k]] * table_stride_;
       for (int32_t c = c0; c < c1; ++c) add_chunk(blocks[c], item_field(g, kItemHeadOrTile) + first, block_size_);
       return;
