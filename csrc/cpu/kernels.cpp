@@ -1,5 +1,5 @@
 // Run-time choice of the tile implementation: the widest ISA the CPU has,
-// unless CHUNKATTN_CPU_ISA (avx512bf16|avx512|avx2|scalar) names another (tests use it to
+// unless CHUNKATTN_CPU_ISA (amx|avx512bf16|avx512|avx2|scalar) names another (tests use it to
 // cover every build on one machine).
 #include <torch/all.h>
 
@@ -11,10 +11,16 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernel_tables.h"
 
 namespace chunkattn::cpu {
 
+const KernelTable* amx_table(c10::ScalarType, int64_t);
 const KernelTable* avx512bf16_table(c10::ScalarType, int64_t);
 const KernelTable* avx512_table(c10::ScalarType, int64_t);
 const KernelTable* avx2_table(c10::ScalarType, int64_t);
@@ -22,14 +28,29 @@ const KernelTable* scalar_table(c10::ScalarType, int64_t);
 
 namespace {
 
-enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
+
+// Linux gives a process AMX's tile state (8 KiB more per thread to save at a
+// context switch) only once it asks; a tile instruction before that is SIGILL.
+// Asking again is harmless.
+bool amx_permitted() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 Isa best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512bf16"))
-    return Isa::kAvx512Bf16;
+  const bool avx512bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512bf16");
+  if (avx512bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted())
+    return Isa::kAmx;
+  if (avx512bf16) return Isa::kAvx512Bf16;
   if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return Isa::kAvx2;
@@ -43,11 +64,12 @@ Isa current_isa() {
   const char* forced = std::getenv("CHUNKATTN_CPU_ISA");
   if (forced == nullptr || *forced == '\0') return best;
   Isa want;
-  if (std::strcmp(forced, "avx512bf16") == 0) want = Isa::kAvx512Bf16;
+  if (std::strcmp(forced, "amx") == 0) want = Isa::kAmx;
+  else if (std::strcmp(forced, "avx512bf16") == 0) want = Isa::kAvx512Bf16;
   else if (std::strcmp(forced, "avx512") == 0) want = Isa::kAvx512;
   else if (std::strcmp(forced, "avx2") == 0) want = Isa::kAvx2;
   else if (std::strcmp(forced, "scalar") == 0) want = Isa::kScalar;
-  else TORCH_CHECK(false, "CHUNKATTN_CPU_ISA must be avx512bf16, avx512, avx2 or scalar, got '", forced, "'");
+  else TORCH_CHECK(false, "CHUNKATTN_CPU_ISA must be amx, avx512bf16, avx512, avx2 or scalar, got '", forced, "'");
   TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "CHUNKATTN_CPU_ISA=", forced,
               " is not supported by this CPU");
   return want;
@@ -89,7 +111,8 @@ const CompiledSupport& compiled_support() {
   static const CompiledSupport support = [] {
     using Lookup = const KernelTable* (*)(c10::ScalarType, int64_t);
     const std::pair<const char*, Lookup> lookups[] = {
-        {"scalar", scalar_table}, {"avx2", avx2_table}, {"avx512", avx512_table}, {"avx512bf16", avx512bf16_table}};
+        {"scalar", scalar_table}, {"avx2", avx2_table}, {"avx512", avx512_table}, {"avx512bf16", avx512bf16_table},
+        {"amx", amx_table}};
     std::vector<std::pair<c10::ScalarType, int64_t>> portable;
     for (const auto& [isa, lookup] : lookups) {
       std::vector<std::pair<c10::ScalarType, int64_t>> found;
@@ -143,6 +166,7 @@ std::string supported_dtypes() { return join(compiled_support().dtypes); }
 
 const char* active_isa() {
   switch (current_isa()) {
+    case Isa::kAmx: return "amx";
     case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
@@ -173,6 +197,7 @@ const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size) {
               "; got ", kv_dtype);
   const KernelTable* table = nullptr;
   switch (current_isa()) {
+    case Isa::kAmx: table = amx_table(kv_dtype, head_size); break;
     case Isa::kAvx512Bf16: table = avx512bf16_table(kv_dtype, head_size); break;
     case Isa::kAvx512: table = avx512_table(kv_dtype, head_size); break;
     case Isa::kAvx2: table = avx2_table(kv_dtype, head_size); break;

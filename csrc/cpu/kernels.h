@@ -143,7 +143,7 @@ struct KernelTable {
 };
 
 // Kernels for the KV dtype and head size on the best ISA of this CPU, or the
-// one named by the CHUNKATTN_CPU_ISA environment variable (avx512bf16|avx512|avx2|scalar).
+// one named by the CHUNKATTN_CPU_ISA environment variable (amx|avx512bf16|avx512|avx2|scalar).
 // Throws (TORCH_CHECK) for an unsupported head size or dtype.
 const KernelTable& select_kernels(c10::ScalarType kv_dtype, int64_t head_size);
 

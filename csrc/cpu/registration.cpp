@@ -48,7 +48,7 @@ TORCH_LIBRARY(chunkattn, m) {
   m.def(
       "merge_attn_states(Tensor(a!) output, Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, "
       "Tensor suffix_lse, Tensor(b!)? output_lse=None, int? prefill_tokens_with_context=None) -> ()");
-  // Which SIMD build the CPU kernels use now (avx512bf16|avx512|avx2|scalar); for tests and benchmarks.
+  // Which SIMD build the CPU kernels use now (amx|avx512bf16|avx512|avx2|scalar); for tests and benchmarks.
   m.def("cpu_isa() -> str", &cpu_isa);
 }
 

@@ -374,6 +374,17 @@ struct Avx512Bf16 : Avx512 {
 };
 #pragma GCC pop_options
 
+// AVX-512 with AVX512_BF16 and AMX-BF16 (Intel from Sapphire Rapids): the
+// same registers and instructions, and the bf16 lanes tile's S^T on AMX's
+// tile multiply (attention_tiles.inc, qk_amx).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+struct Amx : Avx512Bf16 {
+  static constexpr bool kAmxBf16 = true;
+  static inline const char* name() { return "amx"; }
+};
+#pragma GCC pop_options
+
 #endif  // CHUNKATTN_X86
 
 }  // namespace chunkattn::simd

@@ -54,6 +54,7 @@ SETTINGS = settings(
 # The SIMD builds of csrc/cpu and the CPU flags (/proc/cpuinfo names) each
 # needs: what best_isa() in csrc/cpu/kernels.cpp asks the CPU for.
 ISA_CPU_FLAGS = {
+    "amx": ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"),
     "avx512bf16": ("avx512f", "avx512bw", "avx512_bf16"),
     "avx512": ("avx512f",),
     "avx2": ("avx2", "fma", "f16c"),

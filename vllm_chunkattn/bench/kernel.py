@@ -320,7 +320,15 @@ def vllm_cache(src: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tens
 def _vllm_isa(dtype: torch.dtype, chunk: int) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return _get_attn_isa(dtype, chunk)
+    isa = _get_attn_isa(dtype, chunk)
+    if isa == "amx":
+        # Linux hands a process AMX's tile state only once it asks
+        # (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's AMX kernels assume it has, and
+        # die of SIGILL otherwise. In the engine oneDNN's bf16 linear layers have
+        # asked before the first attention; here nothing else runs first.
+        if not torch.cpu._init_amx():
+            raise RuntimeError("vLLM chose its AMX attention kernel, but this process was refused AMX's tile state")
+    return isa
 
 
 def dense_kv(src: torch.Tensor, table: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,50 @@
+// AVX-512 + AVX512_BF16 + AMX-BF16 build of the attention tiles (see
+// attention_tiles.inc): bf16 caches get the lanes tile's S^T on AMX tiles
+// (qk_amx) and otherwise the avx512bf16 build's code; float32 and float16
+// caches have nothing to gain from it and use the AVX-512 build. Selected at
+// run time by kernels.cpp only on CPUs that report amx-tile and amx-bf16 and
+// whose kernel lets the process use AMX's tile state.
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "common/partial_state.h"
+#include "kernel_tables.h"
+#include "simd.h"
+
+namespace chunkattn::cpu {
+const KernelTable* avx512_table(c10::ScalarType, int64_t);
+}
+
+#ifdef CHUNKATTN_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+namespace chunkattn::cpu::amx {
+using V = simd::Amx;
+constexpr const char* kIsaName = "amx";
+#include "attention_tiles.inc"
+}  // namespace chunkattn::cpu::amx
+#pragma GCC pop_options
+
+namespace chunkattn::cpu {
+namespace amx {
+#define CHUNKATTN_CASE_BF16_HEAD_SIZE(D) \
+  case D: return &kTable<c10::BFloat16, D>;
+const KernelTable* bf16_table(int64_t head_size) {
+  switch (head_size) {
+    CHUNKATTN_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_BF16_HEAD_SIZE)
+    default: return nullptr;
+  }
+}
+#undef CHUNKATTN_CASE_BF16_HEAD_SIZE
+}  // namespace amx
+
+const KernelTable* amx_table(c10::ScalarType dtype, int64_t head_size) {
+  return dtype == c10::ScalarType::BFloat16 ? amx::bf16_table(head_size) : avx512_table(dtype, head_size);
+}
+}  // namespace chunkattn::cpu
+#else
+namespace chunkattn::cpu {
+const KernelTable* amx_table(c10::ScalarType, int64_t) { return nullptr; }
+}
+#endif
