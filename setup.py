@@ -62,6 +62,8 @@ def _extensions():
         cpp_extension.CppExtension(
             name="vllm_chunkattn.bench._machine",
             sources=_sources("csrc/bench/*.cpp"),
+            depends=_headers("csrc/common"),
+            include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=["-fopenmp"],
         ),

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "common/amx.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -108,6 +110,35 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_dot_loop_avx512(uint64_
   return horizontal_sum(total);
 }
 
+// tdpbf16ps: a 16 x 32 bf16 tile times a 32 x 16 one into 16 x 16 fp32 sums,
+// the instruction of the AMX build's products. Four accumulator tiles in turn
+// (tmm0-3) over two A and two B tiles that stay loaded, as in the kernels'
+// register blocks. A is 1 and B 2^-12: each step adds 2^-7 to every sum.
+__attribute__((target("amx-tile,amx-bf16"))) float amx_bf16_loop(uint64_t iterations) {
+  alignas(64) uint16_t a[16 * 32], b[16 * 32];
+  std::fill(a, a + 16 * 32, uint16_t{0x3f80});  // bf16 1.0
+  std::fill(b, b + 16 * 32, uint16_t{0x3980});  // bf16 2^-12
+  _tile_loadconfig(&chunkattn::kAmxTiles16x64);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (uint64_t it = 0; it < iterations; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float sums[16 * 16];
+  _tile_stored(0, sums, 64);
+  _tile_release();
+  return sums[0];
+}
+
 struct PeakLoop {
   const char* name;
   const char* instruction;
@@ -129,11 +160,14 @@ bool has_avx512_bf16() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
 
+bool has_amx_bf16() { return chunkattn::amx_bf16_usable(); }
+
 const PeakLoop kLoops[] = {
     {"avx512_fma", "vfmadd...ps zmm (fp32)", fma_loop_avx512, 24 * 16 * 2, has_avx512},
     {"avx2_fma", "vfmadd...ps ymm (fp32)", fma_loop_avx2, 12 * 8 * 2, has_avx2_fma},
     {"avx512_bf16_dot", "vdpbf16ps zmm (bf16 products, fp32 sums)", bf16_dot_loop_avx512, 24 * 16 * 2 * 2,
      has_avx512_bf16},
+    {"amx_bf16", "tdpbf16ps (bf16 products, fp32 sums)", amx_bf16_loop, 4 * 16 * 16 * 32 * 2, has_amx_bf16},
 };
 
 const PeakLoop& find_loop(const std::string& name) {

@@ -11,11 +11,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "common/amx.h"
 #include "kernel_tables.h"
 
 namespace chunkattn::cpu {
@@ -30,26 +26,12 @@ namespace {
 
 enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
-// Linux gives a process AMX's tile state (8 KiB more per thread to save at a
-// context switch) only once it asks; a tile instruction before that is SIGILL.
-// Asking again is harmless.
-bool amx_permitted() {
-#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
-
 Isa best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   const bool avx512bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512bf16");
-  if (avx512bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted())
-    return Isa::kAmx;
+  if (avx512bf16 && amx_bf16_usable()) return Isa::kAmx;
   if (avx512bf16) return Isa::kAvx512Bf16;
   if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))

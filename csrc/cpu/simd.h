@@ -27,6 +27,8 @@
 #include <cstring>
 #include <limits>
 
+#include "common/amx.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define CHUNKATTN_X86 1
