@@ -46,3 +46,25 @@
   }
 #define CHUNKATTN_CASE_TABLE_DTYPE(T, SCALAR, NAME) \
   case c10::ScalarType::SCALAR: return table_for<T>(head_size);
+
+// Defines `const KernelTable* FN(ScalarType, int64_t)` for a build whose own
+// tiles serve bf16 caches only (avx512bf16, amx): &NS::kTable<BFloat16, D> for
+// bf16, the AVX-512 build's table for every other dtype. Expanded, like the
+// lookup above, outside any `#pragma GCC target` region.
+#define CHUNKATTN_CASE_BF16_HEAD_SIZE(D) \
+  case D: return &kTable<c10::BFloat16, D>;
+#define CHUNKATTN_DEFINE_BF16_TABLE_LOOKUP(NS, FN)                                                        \
+  namespace chunkattn::cpu {                                                                              \
+  const KernelTable* avx512_table(c10::ScalarType, int64_t);                                              \
+  namespace NS {                                                                                          \
+  inline const KernelTable* bf16_table(int64_t head_size) {                                               \
+    switch (head_size) {                                                                                  \
+      CHUNKATTN_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_BF16_HEAD_SIZE)                                         \
+      default: return nullptr;                                                                            \
+    }                                                                                                     \
+  }                                                                                                       \
+  }                                                                                                       \
+  const KernelTable* FN(c10::ScalarType dtype, int64_t head_size) {                                      \
+    return dtype == c10::ScalarType::BFloat16 ? NS::bf16_table(head_size) : avx512_table(dtype, head_size); \
+  }                                                                                                       \
+  }

@@ -10,10 +10,6 @@
 #include "kernel_tables.h"
 #include "simd.h"
 
-namespace chunkattn::cpu {
-const KernelTable* avx512_table(c10::ScalarType, int64_t);
-}
-
 #ifdef CHUNKATTN_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
@@ -24,23 +20,7 @@ constexpr const char* kIsaName = "avx512bf16";
 }  // namespace chunkattn::cpu::avx512bf16
 #pragma GCC pop_options
 
-namespace chunkattn::cpu {
-namespace avx512bf16 {
-#define CHUNKATTN_CASE_BF16_HEAD_SIZE(D) \
-  case D: return &kTable<c10::BFloat16, D>;
-const KernelTable* bf16_table(int64_t head_size) {
-  switch (head_size) {
-    CHUNKATTN_FOR_EACH_HEAD_SIZE(CHUNKATTN_CASE_BF16_HEAD_SIZE)
-    default: return nullptr;
-  }
-}
-#undef CHUNKATTN_CASE_BF16_HEAD_SIZE
-}  // namespace avx512bf16
-
-const KernelTable* avx512bf16_table(c10::ScalarType dtype, int64_t head_size) {
-  return dtype == c10::ScalarType::BFloat16 ? avx512bf16::bf16_table(head_size) : avx512_table(dtype, head_size);
-}
-}  // namespace chunkattn::cpu
+CHUNKATTN_DEFINE_BF16_TABLE_LOOKUP(avx512bf16, avx512bf16_table)
 #else
 namespace chunkattn::cpu {
 const KernelTable* avx512bf16_table(c10::ScalarType, int64_t) { return nullptr; }
