@@ -1,6 +1,6 @@
 // AVX-512 + AVX512_BF16 + AMX-BF16 build of the attention tiles (see
-// attention_tiles.inc): bf16 caches get the lanes tile's S^T on AMX tiles
-// (qk_amx) and otherwise the avx512bf16 build's code; float32 and float16
+// attention_tiles.inc): bf16 caches get the lanes tile's two products on AMX
+// tiles and otherwise the avx512bf16 build's code; float32 and float16
 // caches have nothing to gain from it and use the AVX-512 build. Selected at
 // run time by kernels.cpp only on CPUs that report amx-tile and amx-bf16 and
 // whose kernel lets the process use AMX's tile state.

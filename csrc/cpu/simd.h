@@ -377,8 +377,8 @@ struct Avx512Bf16 : Avx512 {
 #pragma GCC pop_options
 
 // AVX-512 with AVX512_BF16 and AMX-BF16 (Intel from Sapphire Rapids): the
-// same registers and instructions, and the bf16 lanes tile's S^T on AMX's
-// tile multiply (attention_tiles.inc, qk_amx).
+// same registers and instructions, and the bf16 lanes tile's two products on
+// AMX's tile multiply (attention_tiles.inc, "Both products on AMX").
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
 struct Amx : Avx512Bf16 {
