@@ -94,6 +94,52 @@ __attribute__((target("avx,f16c"))) inline void store_row_f16c(const float* src,
                      _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(src + i), s), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i] * scale);
 }
+
+// bf16 rows, 8 values at a time on AVX2 (every x86 CPU these kernels tune for): compiled one value at a
+// time for any x86-64, a bf16 prefill's output rows took 18% of 8 x 512 new tokens of 32 heads on an
+// Intel Xeon with AMX. Rounding to nearest even with NaN as 0x7FC0, as c10::BFloat16 does.
+inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+
+__attribute__((target("avx2"))) inline void load_scaled_bf16_avx2(const c10::BFloat16* src, int64_t n, float scale,
+                                                                   float* dst) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)), s));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+// 8 floats as bf16 in the low 16 bits of each 32-bit lane.
+__attribute__((target("avx2"))) inline __m256i bf16_bits_avx2(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+// `stream`: streaming stores, for rows on 32-byte boundaries.
+__attribute__((target("avx2"))) inline void store_row_bf16_avx2(const float* src, int64_t n, c10::BFloat16* dst,
+                                                                  float scale, bool stream) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = bf16_bits_avx2(_mm256_mul_ps(_mm256_loadu_ps(src + i), s));
+    const __m256i b = bf16_bits_avx2(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), s));
+    // packus interleaves the 128-bit halves: a0-3 b0-3 a4-7 b4-7; the permute restores a, then b.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    if (stream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i] * scale);
+}
 #endif
 
 template <typename T>
@@ -101,6 +147,9 @@ inline void load_scaled(const T* src, int64_t n, float scale, float* dst) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (has_f16c()) return load_scaled_f16c(src, n, scale, dst);
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (has_avx2()) return load_scaled_bf16_avx2(src, n, scale, dst);
   }
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
@@ -111,6 +160,9 @@ inline void store_row(const float* src, int64_t n, T* dst, float scale = 1.f) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (has_f16c()) return store_row_f16c(src, n, dst, scale);
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (has_avx2()) return store_row_bf16_avx2(src, n, dst, scale, false);
   }
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
@@ -130,6 +182,10 @@ inline void stream_row(const float* src, int64_t n, T* dst, float scale) {
       for (int64_t i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_mul_ps(_mm_loadu_ps(src + i), s));
       return;
     }
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (has_avx2() && reinterpret_cast<uintptr_t>(dst) % 32 == 0 && n % 16 == 0)
+      return store_row_bf16_avx2(src, n, dst, scale, true);
   }
 #endif
   store_row(src, n, dst, scale);

@@ -72,7 +72,7 @@ MODES = ("auto", "default")
 
 # Candidate values per parameter, the built-in default among them.
 CANDIDATES: dict[str, tuple[int, ...]] = {
-    "prefill_tile_rows": (32, 64, 128),
+    "prefill_tile_rows": (32, 64, 128, 256),
     "lanes_tile_keys": (64, 128, 256, 512),
     "prefetch_distance": (0, 1, 2),
     "decode_qk_inline": (0, 1),
@@ -110,7 +110,7 @@ FINAL_REPEATS = 8
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 
 
 _DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
