@@ -168,11 +168,12 @@ inline void store_row(const float* src, int64_t n, T* dst, float scale = 1.f) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
 }
 
-// store_row for a row this op writes once and does not read back: for fp32
-// rows on 16-byte boundaries, streaming stores, which do not read the
-// destination lines into the caches first (a long prefill's output is far
-// larger than the caches). The caller issues stream_fence() before its writes
-// are consumed.
+// store_row for a row this op writes once and does not read back: streaming
+// stores, which do not read the destination lines into the caches first (a
+// long prefill's output is far larger than the caches), for fp32 rows on
+// 16-byte boundaries of whole 4-value groups and, with AVX2, bf16 rows on
+// 32-byte boundaries of whole 16-value groups; other rows take store_row. The
+// caller issues stream_fence() before its writes are consumed.
 template <typename T>
 inline void stream_row(const float* src, int64_t n, T* dst, float scale) {
 #if defined(__x86_64__)
