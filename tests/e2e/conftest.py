@@ -16,6 +16,8 @@ def runs(tmp_path_factory):
     (stock, chunk) records, the missing ones run in parallel processes: most of a run is starting its
     engine, which overlaps well even on two cores."""
     cache = {}
+    # Created lazily and not thread-safely: the first pair's two threads would race to make it.
+    tmp_path_factory.getbasetemp()
 
     def get(name: str, backend: str, workload: str = "shared-prefix", pensieve: str | None = None) -> dict:
         key = (name, backend, workload, pensieve)
