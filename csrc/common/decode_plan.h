@@ -20,8 +20,11 @@
 //   partial_work  [num_partial_rows, 4] per partial row of the context: (first
 //                 slot, slot stride, pieces, node): the slots of its pieces'
 //                 partials are first + j * stride for j < pieces.
-//   row_order     CPU [batch]: batch rows in sequence-first order, most private
-//                 tokens first. CUDA: empty (one block per (split, row, head)).
+//   row_order     CPU [batch + num_runs + 1]: the batch rows in runs (a request's
+//                 query tokens, attended as one query matrix in the sequence-first
+//                 phase; a decode row is a run of one), runs with the most private
+//                 tokens first, then the runs' offsets into the rows (0 .. batch).
+//                 CUDA: empty (one block per (split, row, head)).
 #pragma once
 
 #include <cstdint>

@@ -190,9 +190,46 @@ void validate_context(const TreeContextView& c, int64_t batch, int64_t num_nodes
     TORCH_CHECK(0 <= c.row_partials[i] && c.row_partials[i] < num_partial_rows, "chunkattn: row_partials out of range");
 }
 
+// Consecutive batch rows that the sequence-first phase attends as one query matrix: the query tokens of
+// one request (prefix/query_rows.py), each a key further along the same private chunks. A run's rows
+// share their first private chunk and the private block ids up to each row's last key, so the run's
+// last (longest) row's chunks, each row under its causal limit, are every row's own.
+struct RowRun {
+  int32_t first_row, rows;
+};
+
+// The batch's runs, the most private tokens (of a run's last row) first. A row with no private key runs
+// alone: a run's rows each see at least their own key.
+std::vector<RowRun> sequence_first_runs(const TreeContextView& c, const int32_t* lens, const int32_t* table,
+                                        int64_t table_stride, int64_t batch, int64_t block_size) {
+  auto private_keys = [&](int64_t b) { return lens[b] - static_cast<int64_t>(c.shared_chunks[b]) * block_size; };
+  auto continues = [&](int64_t b) {  // row b extends row b - 1's run
+    if (lens[b] != lens[b - 1] + 1 || c.shared_chunks[b] != c.shared_chunks[b - 1] || private_keys(b - 1) < 1)
+      return false;
+    const int32_t* prev = table + (b - 1) * table_stride;
+    const int32_t* row = table + b * table_stride;
+    for (int64_t col = c.shared_chunks[b]; col * block_size < lens[b - 1]; ++col)
+      if (prev[col] != row[col]) return false;
+    return true;
+  };
+  std::vector<RowRun> runs;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (b > 0 && continues(b)) {
+      ++runs.back().rows;
+    } else {
+      runs.push_back({static_cast<int32_t>(b), 1});
+    }
+  }
+  std::stable_sort(runs.begin(), runs.end(), [&](const RowRun& a, const RowRun& b) {
+    return private_keys(a.first_row + a.rows - 1) > private_keys(b.first_row + b.rows - 1);
+  });
+  return runs;
+}
+
 // Fills the plan tensors (csrc/common/decode_plan.h) for the CPU kernel.
 void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_work, torch::Tensor& partial_work,
-              torch::Tensor& row_order, const TreeContextView& c, const int32_t* lens) {
+              torch::Tensor& row_order, const TreeContextView& c, const int32_t* lens, const int32_t* table,
+              int64_t table_stride) {
   const int64_t num_nodes = h.num_nodes, group = h.num_heads / h.num_kv_heads, block_size = h.block_size;
   node_work.resize_({num_nodes, kPlanRowInts});
   partial_work.resize_({h.num_partial_rows, kPlanRowInts});
@@ -262,18 +299,22 @@ void plan_cpu(DecodePlanHeader& h, torch::Tensor& items, torch::Tensor& node_wor
   std::fill_n(it + num_items * kPlanRowInts, kPlanRowInts, 0);
   it[num_items * kPlanRowInts + kItemNode] = kNoNode;
 
-  // Sequence-first: rows with the most private tokens first; each row's KV
-  // heads in groups as large as the thread count allows.
+  // Sequence-first: runs of rows (a request's query tokens) with the most private tokens first; each run's
+  // KV heads in groups as large as the thread count allows.
   const int64_t batch = h.batch;
-  row_order.resize_({batch});
+  const std::vector<RowRun> runs = sequence_first_runs(c, lens, table, table_stride, batch, block_size);
+  const int64_t num_runs = static_cast<int64_t>(runs.size());
+  row_order.resize_({batch + num_runs + 1});
   int32_t* ro = row_order.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) ro[b] = static_cast<int32_t>(b);
-  std::stable_sort(ro, ro + batch, [&](int32_t a, int32_t b) {
-    return lens[a] - c.shared_chunks[a] * block_size > lens[b] - c.shared_chunks[b] * block_size;
-  });
-  const int64_t groups_per_row =
-      std::min<int64_t>(h.num_kv_heads, (kItemsPerThread * h.num_threads + batch - 1) / std::max<int64_t>(batch, 1));
-  h.heads_per_item = static_cast<int32_t>((h.num_kv_heads + groups_per_row - 1) / std::max<int64_t>(groups_per_row, 1));
+  int32_t* run_offsets = ro + batch;
+  run_offsets[0] = 0;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    for (int32_t t = 0; t < runs[r].rows; ++t) ro[run_offsets[r] + t] = runs[r].first_row + t;
+    run_offsets[r + 1] = run_offsets[r] + runs[r].rows;
+  }
+  const int64_t groups_per_run = std::min<int64_t>(
+      h.num_kv_heads, (kItemsPerThread * h.num_threads + num_runs - 1) / std::max<int64_t>(num_runs, 1));
+  h.heads_per_item = static_cast<int32_t>((h.num_kv_heads + groups_per_run - 1) / std::max<int64_t>(groups_per_run, 1));
   h.num_items = static_cast<int32_t>(num_items);
   h.num_slots = static_cast<int32_t>(slots);
 }
@@ -284,7 +325,9 @@ struct DecodePlanView {
   const int32_t* items;
   const int32_t* node_work;
   const int32_t* partial_work;
-  const int32_t* row_order;
+  const int32_t* row_order;    // [batch]: the rows, run by run
+  const int32_t* run_offsets;  // [num_runs + 1] into row_order
+  int64_t num_runs;
 };
 
 // One tpp_decode call: the plan's items of both phases over one layer's
@@ -319,9 +362,8 @@ class DecodeRun {
         o_s1_(out.stride(1)),
         num_chunk_items_(plan.header.num_items),
         heads_per_item_(plan.header.heads_per_item),
-        items_per_row_((num_kv_heads_ + heads_per_item_ - 1) / heads_per_item_),
-        num_seq_items_(batch_ * items_per_row_),
-        item_rows_(heads_per_item_ * group_),
+        items_per_run_((num_kv_heads_ + heads_per_item_ - 1) / heads_per_item_),
+        num_seq_items_(plan.num_runs * items_per_run_),
         seq_direct_(group_ <= kern_.direct_max_rows),
         gaps_on_(seq_direct_ && cpu::cpu_tuning().lanes_prefetch_spread > 0),
         part_rows_(static_cast<int64_t>(plan.header.num_slots) * group_),
@@ -332,8 +374,10 @@ class DecodeRun {
     part_o_ = caller.get(4, static_cast<size_t>(num_kv_heads_ * part_rows_ * D_));
     part_m_ = caller.get(5, static_cast<size_t>(2 * num_kv_heads_ * part_rows_));
     part_n_ = part_m_ + num_kv_heads_ * part_rows_;
-    private_o_ = caller.get(6, static_cast<size_t>(num_seq_items_ * item_rows_ * D_));
-    private_mn_ = caller.get(7, static_cast<size_t>(2 * num_seq_items_ * item_rows_));
+    const int64_t private_rows = batch_ * num_kv_heads_ * group_;
+    private_o_ = caller.get(6, static_cast<size_t>(private_rows * D_));
+    private_m_ = caller.get(7, static_cast<size_t>(2 * private_rows));
+    private_n_ = private_m_ + private_rows;
     for (int64_t k = 0; k < plan.header.num_nodes; ++k)
       pending_[k].store(static_cast<int32_t>(num_kv_heads_ * node_field(k, kNodePieces)));
   }
@@ -455,61 +499,90 @@ class DecodeRun {
 
   void chunk_first(int64_t i);
 
-  // ---- Phase 2: sequence-first, one item per (batch row, group of kv heads);
-  // rows with the most private tokens first. A group walks each private chunk's
-  // heads back to back: they are adjacent tiles of the block, so reads stream
-  // through whole blocks. Groups are as large as the thread count allows.
+  // ---- Phase 2: sequence-first, one item per (run of rows, group of kv heads);
+  // runs with the most private tokens first. A run is a request's query tokens
+  // (the plan's RowRun), attended as one query matrix under the causal mask; a
+  // decode row runs alone. A group walks each private chunk's heads back to
+  // back: they are adjacent tiles of the block, so reads stream through whole
+  // blocks. Groups are as large as the thread count allows.
   // An item's private part (its rows against its private chunks) needs no
   // phase-1 result: it runs either in its item or earlier, in the gaps of a
   // phase-1 lanes call (GapWorkTaker), into per-item buffers that the item then
   // merges its node partials into.
 
-  int64_t item_row(int64_t i) const { return plan_.row_order[i / items_per_row_]; }
-  int32_t item_head(int64_t i) const { return static_cast<int32_t>((i % items_per_row_) * heads_per_item_); }
+  int64_t item_run(int64_t i) const { return i / items_per_run_; }
+  int32_t item_head(int64_t i) const { return static_cast<int32_t>((i % items_per_run_) * heads_per_item_); }
   int64_t item_heads(int64_t i) const { return std::min<int64_t>(heads_per_item_, num_kv_heads_ - item_head(i)); }
+  int64_t run_rows(int64_t r) const { return plan_.run_offsets[r + 1] - plan_.run_offsets[r]; }
+  int64_t run_row(int64_t r, int64_t t) const { return plan_.row_order[plan_.run_offsets[r] + t]; }
+  // The run's last row: it has the most keys, and its private chunks are every row's of the run.
+  int64_t item_last_row(int64_t i) const { return run_row(item_run(i), run_rows(item_run(i)) - 1); }
+  // Query rows per KV head of item i: the run's tokens, each with its G query heads.
+  int64_t item_head_rows(int64_t i) const { return run_rows(item_run(i)) * group_; }
+  // Phase 2 takes `direct` for a few rows per KV head, else the lanes tile (not in a gap: it would share the
+  // tile's scratch).
+  bool item_direct(int64_t i) const { return item_head_rows(i) <= kern_.direct_max_rows; }
+  // Item i's first private row for its head `first` (relative to its first): a run owns the rows of its
+  // batch rows' query heads, [KV head, token, G] within.
+  int64_t private_row(int64_t i, int64_t first) const {
+    const int64_t r = item_run(i);
+    return plan_.run_offsets[r] * num_kv_heads_ * group_ + (item_head(i) + first) * run_rows(r) * group_;
+  }
 
-  // Heads [first, first + count) of item i (relative to its first) against the row's private chunks, into
-  // the item's private_o / private_mn rows, with the query rows and arguments in `scr`; `next`: the item its
-  // thread runs after this one (its first tile is prefetched), or -1.
+  // Heads [first, first + count) of item i (relative to its first) against the run's private chunks, into
+  // the item's private rows, with the query rows and arguments in `scr`; `next`: the item its thread runs
+  // after this one (its first tile is prefetched), or -1.
   void private_part(int64_t i, int64_t first, int64_t count, cpu::DriverScratch& scr, int64_t next) {
-    const int64_t b = item_row(i), D = D_;
+    const int64_t r = item_run(i), tokens = run_rows(r), b = item_last_row(i), D = D_;
     const int32_t h0 = static_cast<int32_t>(item_head(i) + first);
-    const int64_t rows = count * group_;  // q heads h0*group .. (h0+count)*group, in order
+    const int64_t head_rows = tokens * group_;
+    const int64_t rows = count * head_rows;  // [count, tokens, G]
     float* q = scr.get(0, rows * D);
-    float* o = private_o_ + (i * item_rows_ + first * group_) * D;
-    float* m = private_mn_ + 2 * i * item_rows_ + first * group_;
-    float* n = m + item_rows_;
-    for (int64_t r = 0; r < rows; ++r)
-      cpu::load_scaled(q_data_ + b * q_s0_ + (h0 * group_ + r) * q_s1_, D, variant_.scale, q + r * D);
+    const int64_t p0 = private_row(i, first);
+    float* o = private_o_ + p0 * D;
+    float* m = private_m_ + p0;
+    float* n = private_n_ + p0;
+    for (int64_t hh = 0; hh < count; ++hh)
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t g = 0; g < group_; ++g)
+          cpu::load_scaled(q_data_ + run_row(r, t) * q_s0_ + ((h0 + hh) * group_ + g) * q_s1_, D, variant_.scale,
+                           q + ((hh * tokens + t) * group_ + g) * D);
     const int32_t shared_chunks = ctx_.shared_chunks[b];
     const int64_t shared = static_cast<int64_t>(shared_chunks) * block_size_;
     const int num_private = static_cast<int>(private_keys(b));
-    AttnJob job{q, static_cast<int>(group_), table_ + b * table_stride_ + shared_chunks, num_private, h0, nullptr,
+    AttnJob job{q, static_cast<int>(head_rows), table_ + b * table_stride_ + shared_chunks, num_private, h0, nullptr,
                 o, m, n, static_cast<int>(count), variant_.scale};
     job.softcap = variant_.logits_soft_cap;
     const int64_t window = variant_.sliding_window;
     const float* alibi = variant_.alibi_slopes;
     if (next >= 0 && window <= 0) {  // a window may drop the next item's first chunks
-      const int64_t next_b = item_row(next);
+      const int64_t next_b = item_last_row(next);
       const int64_t next_keys = private_keys(next_b);
       if (next_keys > 0)
         job.after = {table_[next_b * table_stride_ + ctx_.shared_chunks[next_b]], item_head(next),
                      static_cast<int>(std::min<int64_t>(next_keys, block_size_))};
     }
-    // The row's window start and position (for ALiBi), relative to its first private key.
-    float* row_args = scr.get(1, 2 * group_);
+    // Per row, relative to the first private key: its window's first key, its position (the causal limit
+    // of a run's rows; for ALiBi) and its slope.
+    float* row_args = scr.get(1, (2 + count) * head_rows);
     float* first_key = row_args;
-    float* q_pos = alibi ? row_args + group_ : nullptr;
-    if (window > 0) std::fill_n(first_key, group_, static_cast<float>(lens_[b] - window - shared));
+    float* q_pos = alibi || tokens > 1 ? row_args + head_rows : nullptr;
+    for (int64_t t = 0; (window > 0 || q_pos) && t < tokens; ++t) {
+      const int64_t len = lens_[run_row(r, t)] - shared;
+      if (window > 0) std::fill_n(first_key + t * group_, group_, static_cast<float>(len - window));
+      if (q_pos) std::fill_n(q_pos + t * group_, group_, static_cast<float>(len - 1));
+    }
+    job.q_pos = q_pos;
     if (alibi) {
-      std::fill_n(q_pos, group_, static_cast<float>(lens_[b] - 1 - shared));
-      job.q_pos = q_pos;
-      job.alibi_slopes = alibi + h0 * group_;  // [count, group]: the job's rows, head by head
+      float* slopes = row_args + 2 * head_rows;
+      for (int64_t hh = 0; hh < count; ++hh)
+        for (int64_t row = 0; row < head_rows; ++row) slopes[hh * head_rows + row] = alibi[(h0 + hh) * group_ + row % group_];
+      job.alibi_slopes = slopes;
     }
     bool any_key = num_private > 0;
     if (any_key && window > 0) any_key = cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size_));
     if (any_key) {
-      (seq_direct_ ? kern_.direct : lanes_)(kv_, job);
+      (item_direct(i) ? kern_.direct : lanes_)(kv_, job);
     } else {
       std::fill(o, o + rows * D, 0.f);
       std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
@@ -532,7 +605,9 @@ class DecodeRun {
   // phase-2 items come longest first, so the first shorter one ends the gaps' share.
   GapFit gap_fit(int64_t g) const {
     if (g < num_chunk_items_) return node_rows(g) <= kern_.direct_max_rows ? GapFit::kTake : GapFit::kSkip;
-    return private_keys(item_row(g - num_chunk_items_)) >= block_size_ ? GapFit::kTake : GapFit::kStop;
+    const int64_t i = g - num_chunk_items_;
+    if (private_keys(item_last_row(i)) < block_size_) return GapFit::kStop;
+    return item_direct(i) ? GapFit::kTake : GapFit::kSkip;
   }
   // The cache lines of head `first` of item g: per chunk, its K rows and V rows (the live keys).
   void gap_lines(int64_t g, int64_t first, std::vector<cpu::LineRun>& runs) const {
@@ -550,7 +625,7 @@ class DecodeRun {
       for (int32_t c = c0; c < c1; ++c) add_chunk(blocks[c], item_field(g, kItemHeadOrTile) + first, block_size_);
       return;
     }
-    const int64_t i = g - num_chunk_items_, b = item_row(i), num_private = private_keys(b);
+    const int64_t i = g - num_chunk_items_, b = item_last_row(i), num_private = private_keys(b);
     const int32_t* blocks = table_ + b * table_stride_ + ctx_.shared_chunks[b];
     for (int64_t c = 0; c * block_size_ < num_private; ++c)
       add_chunk(blocks[c], item_head(i) + first, std::min<int64_t>(block_size_, num_private - c * block_size_));
@@ -600,9 +675,8 @@ class DecodeRun {
   qscalar_t* out_data_;
   const int64_t o_s0_, o_s1_;
   // The work: phase-1 items, then phase-2 items of heads_per_item_ KV heads each.
-  const int64_t num_chunk_items_, heads_per_item_, items_per_row_, num_seq_items_;
-  const int64_t item_rows_;  // at most; phase-2 item i's o is [rows, D] at i * item_rows_ * D
-  const bool seq_direct_;    // phase-2 items run `direct`
+  const int64_t num_chunk_items_, heads_per_item_, items_per_run_, num_seq_items_;
+  const bool seq_direct_;  // phase-2 items of one row run `direct`
   // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch) and a lanes
   // tile can prefetch for it.
   const bool gaps_on_;
@@ -611,8 +685,9 @@ class DecodeRun {
   float* part_o_ = nullptr;
   float* part_m_ = nullptr;
   float* part_n_ = nullptr;
-  float* private_o_ = nullptr;
-  float* private_mn_ = nullptr;
+  float* private_o_ = nullptr;  // [batch rows' query heads, D], a run's at private_row
+  float* private_m_ = nullptr;
+  float* private_n_ = nullptr;
   // Unfinished (split, KV head) pairs of each node's phase-1 items; phase-2 items wait on them before merging.
   std::unique_ptr<std::atomic<int32_t>[]> pending_;
   GapClaims claims_;
@@ -692,47 +767,52 @@ void DecodeRun<qscalar_t>::chunk_first(int64_t i) {
 
 template <typename qscalar_t>
 void DecodeRun<qscalar_t>::sequence_first(int64_t i, int64_t next) {
-  const int64_t b = item_row(i), D = D_;
+  const int64_t r = item_run(i), tokens = run_rows(r), heads = item_heads(i), D = D_;
   const int32_t h0 = item_head(i);
-  const int64_t rows = item_heads(i) * group_;
   const int64_t g = num_chunk_items_ + i;  // in handout order
   if (run_claimed_heads(g, cpu::driver_scratch(), next))
-    for (int64_t h = 0; h < item_heads(i); ++h) claims_.wait(g, h);
-  float* o = private_o_ + i * item_rows_ * D;
-  float* m = private_mn_ + 2 * i * item_rows_;
-  float* n = m + item_rows_;
+    for (int64_t h = 0; h < heads; ++h) claims_.wait(g, h);
+  const int64_t p0 = private_row(i, 0);
 
-  // The row's node partials: all phase-1 items were handed out before this
+  // The rows' node partials: all phase-1 items were handed out before this
   // item, so at most the ones still running on other threads are waited for.
   const int32_t* partials = ctx_.row_partials;
-  const int32_t first_partial = ctx_.row_partial_offsets[b], end_partial = ctx_.row_partial_offsets[b + 1];
   auto partial_field = [&](int32_t e, PlanPartialField f) {
     return plan_.partial_work[static_cast<int64_t>(partials[e]) * kPlanRowInts + f];
   };
-  for (int32_t e = first_partial; e < end_partial; ++e) {
-    const std::atomic<int32_t>& left = pending_[partial_field(e, kPartialNode)];
-    while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t b = run_row(r, t);
+    for (int32_t e = ctx_.row_partial_offsets[b]; e < ctx_.row_partial_offsets[b + 1]; ++e) {
+      const std::atomic<int32_t>& left = pending_[partial_field(e, kPartialNode)];
+      while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+    }
   }
 
   // Merge (equation 2): each node partial into the row's own part, in place;
   // then the sink, if any; normalise once.
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = h0 + r / group_, in_group = r % group_;
-    PartialState total{m[r], n[r]};
-    float* acc = o + r * D;
-    for (int32_t e = first_partial; e < end_partial; ++e) {
-      for (int32_t s = 0; s < partial_field(e, kPartialPieces); ++s) {
-        const int64_t slot =
-            partial_field(e, kPartialFirstSlot) + static_cast<int64_t>(s) * partial_field(e, kPartialSlotStride);
-        const int64_t row = h * part_rows_ + slot * group_ + in_group;
-        const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m_[row], part_n_[row]});
-        const float* po = part_o_ + row * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    const int64_t h = h0 + hh;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t b = run_row(r, t);
+      for (int64_t in_group = 0; in_group < group_; ++in_group) {
+        const int64_t p = p0 + (hh * tokens + t) * group_ + in_group;
+        PartialState total{private_m_[p], private_n_[p]};
+        float* acc = private_o_ + p * D;
+        for (int32_t e = ctx_.row_partial_offsets[b]; e < ctx_.row_partial_offsets[b + 1]; ++e) {
+          for (int32_t s = 0; s < partial_field(e, kPartialPieces); ++s) {
+            const int64_t slot =
+                partial_field(e, kPartialFirstSlot) + static_cast<int64_t>(s) * partial_field(e, kPartialSlotStride);
+            const int64_t row = h * part_rows_ + slot * group_ + in_group;
+            const MergeScales scales = merge<NaturalExp>(total, PartialState{part_m_[row], part_n_[row]});
+            const float* po = part_o_ + row * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] = combine(acc[d], po[d], scales);
+          }
+        }
+        const int64_t q_head = h * group_ + in_group;
+        const float sink_scale = variant_.sinks ? merge_sink<NaturalExp>(total, variant_.sinks[q_head]) : 1.f;
+        cpu::store_row(acc, D, out_data_ + b * o_s0_ + q_head * o_s1_, sink_scale * inverse_sum(total.n));
       }
     }
-    const float sink_scale =
-        variant_.sinks ? merge_sink<NaturalExp>(total, variant_.sinks[h0 * group_ + r]) : 1.f;
-    cpu::store_row(acc, D, out_data_ + b * o_s0_ + (h0 * group_ + r) * o_s1_, sink_scale * inverse_sum(total.n));
   }
 }
 
@@ -776,7 +856,7 @@ void tpp_decode_plan(torch::Tensor& header, torch::Tensor& items, torch::Tensor&
   h.block_size = static_cast<int32_t>(block_size);
   h.table_width = static_cast<int32_t>(block_table.size(1));
   h.num_threads = static_cast<int32_t>(at::get_num_threads());
-  plan_cpu(h, items, node_work, partial_work, row_order, ctx, lens);
+  plan_cpu(h, items, node_work, partial_work, row_order, ctx, lens, block_table.data_ptr<int32_t>(), block_table.stride(0));
   std::memcpy(header.data_ptr<int32_t>(), &h, sizeof(h));
 }
 
@@ -820,14 +900,18 @@ void tpp_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
                 "chunkattn: plan items/node_work/partial_work must be contiguous int32 [n, ", kPlanRowInts, "]");
   cpu::check_int32_vector(plan_row_order, "plan row_order");
   TORCH_CHECK(plan_items.size(0) == static_cast<int64_t>(h.num_items) + 1 && plan_node_work.size(0) == h.num_nodes &&
-                  plan_partial_work.size(0) == h.num_partial_rows && plan_row_order.numel() == batch &&
+                  plan_partial_work.size(0) == h.num_partial_rows && plan_row_order.numel() > batch &&
                   h.num_slots >= 0 && h.heads_per_item >= 1 && h.heads_per_item <= h.num_kv_heads,
               "chunkattn: plan tensors do not match the plan header (not a CPU plan from tpp_decode_plan?)");
   if (batch == 0) return;
   const TreeContextView ctx = context_view(order, node_begin, node_end, node_chunk_begin, node_chunk_end,
                                            node_partial_offset, shared_chunks, row_partial_offsets, row_partials);
+  const int32_t* row_order = plan_row_order.data_ptr<int32_t>();
+  const int64_t num_runs = plan_row_order.numel() - batch - 1;
+  TORCH_CHECK(row_order[batch] == 0 && row_order[batch + num_runs] == batch,
+              "chunkattn: the plan's row runs do not cover its ", batch, " rows");
   const DecodePlanView plan{h, plan_items.data_ptr<int32_t>(), plan_node_work.data_ptr<int32_t>(),
-                            plan_partial_work.data_ptr<int32_t>(), plan_row_order.data_ptr<int32_t>()};
+                            plan_partial_work.data_ptr<int32_t>(), row_order, row_order + batch, num_runs};
   const AttentionVariant variant =
       attention_variant(scale, sliding_window, logits_soft_cap, sinks, alibi_slopes, query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "chunkattn_tpp_decode", [&] {

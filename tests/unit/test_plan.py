@@ -12,6 +12,7 @@ import torch
 
 from vllm_chunkattn.kernels import ops, torch_fallback
 from vllm_chunkattn.prefix.plan import DecodePlan, DecodeShape
+from vllm_chunkattn.prefix.query_rows import expand_query_rows
 from vllm_chunkattn.prefix.tree import PrefixTreeContext, prefix_tree
 from vllm_chunkattn.testing.paged_cases import multi_level, random_forest, shared_prefix
 from vllm_chunkattn.kernels.support import CPU, CUDA
@@ -128,13 +129,40 @@ def test_partial_rows_point_at_their_nodes_slots(threads):
     assert sorted(slots) == list(range(len(slots))), "slots are disjoint and leave no gap"
 
 
+def _runs(plan, batch: int) -> list[list[int]]:
+    """The plan's sequence-first runs, each as its batch rows (decode_plan.h: row_order)."""
+    row_order = plan.work.row_order.tolist()
+    rows, offsets = row_order[:batch], row_order[batch:]
+    assert offsets[0] == 0 and offsets[-1] == batch and offsets == sorted(offsets)
+    return [rows[a:b] for a, b in zip(offsets, offsets[1:])]
+
+
 def test_row_order_puts_the_most_private_tokens_first():
     table, seq_lens = random_forest(np.random.default_rng(3), 16, 16, max_private_blocks=6)
     plan = _plan(table, seq_lens, _shape())
-    order = plan.work.row_order.tolist()
+    runs = _runs(plan, 16)
+    assert all(len(run) == 1 for run in runs), "decode rows of distinct requests run alone"
+    order = [run[0] for run in runs]
     assert sorted(order) == list(range(16))
     private = (seq_lens - plan.context.shared_chunks * 16).tolist()
     assert [private[b] for b in order] == sorted(private, reverse=True)
+
+
+def test_a_requests_query_tokens_are_one_sequence_first_run():
+    """Rows of several tokens (prefix/query_rows.py) over a shared prefix: each request's rows are one run,
+    in token order, runs with the most private tokens first; a decode row runs alone, and so does a token
+    with no private key (its computed context ends on a chunk boundary: every key of it is in nodes)."""
+    block_size = 16
+    table, seq_lens = shared_prefix(batch=4, context=100, shared=64, block_size=block_size)
+    seq_lens = seq_lens.clone()
+    seq_lens[3] = 99  # 4 new tokens after 95 computed: its first row ends on the 6th chunk's last key
+    query_lens = torch.tensor([6, 1, 3, 4])  # the second request a decode
+    rows = expand_query_rows(table, seq_lens, query_lens)
+    ctx = prefix_tree(rows.block_table, rows.unmasked_lens, block_size)
+    plan = _plan(rows.block_table, rows.seq_lens, _shape(block_size=block_size), ctx)
+    private = (rows.seq_lens - ctx.shared_chunks * block_size).tolist()
+    assert private == [15, 16, 17, 18, 19, 20, 36, 2, 3, 4, 0, 1, 2, 3]
+    assert _runs(plan, len(private)) == [[6], [0, 1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13], [10]]
 
 
 def _context_with(ctx: PrefixTreeContext, **changes) -> PrefixTreeContext:

@@ -70,7 +70,7 @@ class DecodeWork:
     items: torch.Tensor  # [num_items + 1, 4] chunk-first work list, ended by node -1
     node_work: torch.Tensor  # [num_nodes, 4] (first slot, pieces, piece size, 0)
     partial_work: torch.Tensor  # [num_partial_rows, 4] (first slot, slot stride, pieces, node)
-    row_order: torch.Tensor  # CPU: [batch] sequence-first order of the rows; CUDA: empty
+    row_order: torch.Tensor  # CPU: [batch + runs + 1] the rows in sequence-first runs, then the runs' offsets; CUDA: empty
 
     @classmethod
     def empty(cls, device: torch.device | str) -> DecodeWork:
