@@ -576,7 +576,8 @@ class DecodeRun {
     if (alibi) {
       float* slopes = row_args + 2 * head_rows;
       for (int64_t hh = 0; hh < count; ++hh)
-        for (int64_t row = 0; row < head_rows; ++row) slopes[hh * head_rows + row] = alibi[(h0 + hh) * group_ + row % group_];
+        for (int64_t row = 0; row < head_rows; ++row)
+          slopes[hh * head_rows + row] = alibi[(h0 + hh) * group_ + row % group_];
       job.alibi_slopes = slopes;
     }
     bool any_key = num_private > 0;
@@ -856,7 +857,8 @@ void tpp_decode_plan(torch::Tensor& header, torch::Tensor& items, torch::Tensor&
   h.block_size = static_cast<int32_t>(block_size);
   h.table_width = static_cast<int32_t>(block_table.size(1));
   h.num_threads = static_cast<int32_t>(at::get_num_threads());
-  plan_cpu(h, items, node_work, partial_work, row_order, ctx, lens, block_table.data_ptr<int32_t>(), block_table.stride(0));
+  plan_cpu(h, items, node_work, partial_work, row_order, ctx, lens, block_table.data_ptr<int32_t>(),
+           block_table.stride(0));
   std::memcpy(header.data_ptr<int32_t>(), &h, sizeof(h));
 }
 

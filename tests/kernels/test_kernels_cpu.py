@@ -626,6 +626,33 @@ def test_tpp_decode_rows_of_any_length_match_reference(isa, dtype, data):
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(case=multi_row_cases())
+def test_a_requests_rows_are_one_sequence_first_run(case):
+    """The plan attends a request's query tokens as one query matrix in the sequence-first phase
+    (decode_plan.h, row_order): runs are consecutive rows in token order, and a request's rows are in one
+    run, but for a first row whose keys all lie in nodes, which runs alone. (Rows of two requests may share
+    a run only where their private blocks are the same ones: then attending them together is exact.)"""
+    ctx = _rows_tree(case)
+    rows = case["rows"]
+    batch = int(rows.seq_lens.numel())
+    row_order = _rows_plan(case, ctx).work.row_order.tolist()
+    order, offsets = row_order[:batch], row_order[batch:]
+    runs = [order[a:b] for a, b in zip(offsets, offsets[1:])]
+    assert sorted(order) == list(range(batch)) and all(run == list(range(run[0], run[0] + len(run))) for run in runs)
+    run_of = {row: i for i, run in enumerate(runs) for row in run}
+    block_size = case["kv_cache"].shape[2]
+    private = (rows.seq_lens - ctx.shared_chunks * block_size).tolist()
+    qsl = case["query_start_loc"].tolist()
+    for first, end in zip(qsl, qsl[1:]):
+        if end - first > 1 and private[first] == 0:
+            assert runs[run_of[first]] == [first], "a row with no private key runs alone"
+            first += 1
+        assert len({run_of[row] for row in range(first, end)}) <= 1, (first, end, runs)
+    last_private = [private[run[-1]] for run in runs]
+    assert last_private == sorted(last_private, reverse=True), "runs with the most private tokens first"
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
 @given(case=multi_row_cases(max_query_len=16))
 def test_torch_tpp_decode_rows_of_any_length_match_reference(case):
     ctx = _rows_tree(case)
