@@ -364,8 +364,7 @@ class DecodeRun {
         heads_per_item_(plan.header.heads_per_item),
         items_per_run_((num_kv_heads_ + heads_per_item_ - 1) / heads_per_item_),
         num_seq_items_(plan.num_runs * items_per_run_),
-        seq_direct_(group_ <= kern_.direct_max_rows),
-        gaps_on_(seq_direct_ && cpu::cpu_tuning().lanes_prefetch_spread > 0),
+        gaps_on_(group_ <= kern_.direct_max_rows && cpu::cpu_tuning().lanes_prefetch_spread > 0),
         part_rows_(static_cast<int64_t>(plan.header.num_slots) * group_),
         pending_(new std::atomic<int32_t>[std::max<int64_t>(plan.header.num_nodes, 1)]),
         claims_(num_chunk_items_ + num_seq_items_, num_kv_heads_) {
@@ -677,9 +676,8 @@ class DecodeRun {
   const int64_t o_s0_, o_s1_;
   // The work: phase-1 items, then phase-2 items of heads_per_item_ KV heads each.
   const int64_t num_chunk_items_, heads_per_item_, items_per_run_, num_seq_items_;
-  const bool seq_direct_;  // phase-2 items of one row run `direct`
-  // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch) and a lanes
-  // tile can prefetch for it.
+  // Gaps only where the work they take runs `direct` (`lanes` would share the tile's scratch: a decode row's
+  // G rows are few enough, gap_fit skips longer runs) and a lanes tile can prefetch for it.
   const bool gaps_on_;
   // Phase-1 partials: o [num_kv_heads, slots, G, D], m and n [num_kv_heads, slots, G]; phase-2 private parts.
   const int64_t part_rows_;  // per KV head
