@@ -63,6 +63,24 @@ struct GapWork {
   ~GapWork() = default;
 };
 
+// V^T of cache blocks that several requests of one call read (a shared
+// prefix), packed once by the driver (KernelTable::pack_vt) for every job that
+// reads them: each request's job would otherwise pack the same blocks again.
+// Block `blocks[i]` of KV head h lies at data + (h * num_blocks + i) * block_bytes.
+struct PackedVt {
+  const int32_t* blocks = nullptr;  // sorted
+  int num_blocks = 0;
+  const char* data = nullptr;
+  int64_t block_bytes = 0;
+
+  // The packed V^T of (block, head), or nullptr when it is not packed.
+  const void* find(int32_t block, int head) const {
+    const int32_t* it = std::lower_bound(blocks, blocks + num_blocks, block);
+    if (it == blocks + num_blocks || *it != block) return nullptr;
+    return data + (int64_t{head} * num_blocks + (it - blocks)) * block_bytes;
+  }
+};
+
 struct AttnJob {
   const float* q;         // [rows, head_size], already multiplied by the softmax scale
   int rows;
@@ -100,9 +118,14 @@ struct AttnJob {
   TileRef after;
   // `lanes` only: work for its gaps (GapWork), or none.
   GapWork* gap = nullptr;
+  // `lanes` only, where takes_packed_vt: V^T the driver packed for some of
+  // the job's blocks (KV head `head`; num_heads 1), or none.
+  const PackedVt* packed_vt = nullptr;
 };
 
 using AttnFn = void (*)(const KvView&, const AttnJob&);
+// Packs V^T of (block, head), all block_size keys, into dst (packed_vt_bytes, 64-byte aligned).
+using PackVtFn = void (*)(const KvView&, int32_t block, int head, void* dst);
 
 // Sliding window: row r sees keys from first_key[r] on (relative to the job's
 // key 0; 0 or less: all). Drops the job's leading whole chunks that no row
@@ -140,7 +163,17 @@ struct KernelTable {
   // `lanes` with the bf16 Q.K register block inlined (the same function where
   // that block does not run); decode takes it when CpuTuning::decode_qk_inline.
   AttnFn lanes_qk_inline;
+  // The AMX lanes tile's V^T packing for a driver that packs shared blocks
+  // once (PackedVt); nullptr where `lanes` packs nothing or packs otherwise.
+  PackVtFn pack_vt;
 };
+
+// Whether `lanes` takes V^T packed by pack_vt for caches of this block size:
+// it reads V^T 32 keys at a time, which must not straddle blocks.
+inline bool takes_packed_vt(const KernelTable& kern, int64_t block_size) {
+  return kern.pack_vt != nullptr && block_size % 32 == 0;
+}
+inline int64_t packed_vt_bytes(int64_t head_size, int64_t block_size) { return head_size * block_size * 2; }
 
 // Kernels for the KV dtype and head size on the best ISA of this CPU, or the
 // one named by the CHUNKATTN_CPU_ISA environment variable (amx|avx512bf16|avx512|avx2|scalar).

@@ -20,12 +20,15 @@
 // pool, costliest (longest context) requests first, the tiles of one
 // (request, kv head) one after the other so its context is read from DRAM
 // about once, and, when requests share cached blocks, one head of every
-// request before the next head, so that a shared prefix is too. A thread
+// request before the next head, so that a shared prefix is too; where the
+// lanes tile multiplies a packed V^T (AMX), the shared blocks' V^T is packed
+// once for all requests before the items run (PackedVt). A thread
 // claims its next item before running the current one and prefetches that
 // item's query rows; a tile skips the keys past the causal limit of each of
 // its lane vectors.
 #include <ATen/Dispatch.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "chunkattn.h"
@@ -59,6 +62,48 @@ bool share_cached_blocks(const std::vector<int64_t>& qsl, const std::vector<int6
     if (lens[i] - (qsl[i + 1] - qsl[i]) >= block_size && !first_blocks.insert(table[i * table_stride]).second)
       return true;
   return false;
+}
+
+// The blocks that two or more requests with new tokens read, sorted. (Keys
+// past a reader's seq_len in a block it reads are finite, as for every tile:
+// masked, their P is 0.)
+std::vector<int32_t> blocks_read_twice(const std::vector<int64_t>& qsl, const std::vector<int64_t>& lens,
+                                       const int32_t* table, int64_t table_stride, int64_t block_size) {
+  std::vector<int32_t> reads;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (qsl[i + 1] == qsl[i]) continue;  // no job reads it
+    for (int64_t c = 0; c * block_size < lens[i]; ++c) reads.push_back(table[i * table_stride + c]);
+  }
+  std::sort(reads.begin(), reads.end());
+  std::vector<int32_t> blocks;
+  for (size_t a = 0; a < reads.size();) {
+    size_t b = a;
+    while (b < reads.size() && reads[b] == reads[a]) ++b;
+    if (b - a >= 2) blocks.push_back(reads[a]);
+    a = b;
+  }
+  return blocks;
+}
+
+// Packs V^T of `blocks` for every KV head into the calling thread's driver
+// scratch (kSharedVtSlot), which stays valid until its next call.
+constexpr int kSharedVtSlot = 3;  // the items use slots 0-2
+cpu::PackedVt pack_shared_vt(const cpu::KernelTable& kern, const KvView& kv, int64_t num_kv_heads, int64_t head_size,
+                             const std::vector<int32_t>& blocks) {
+  cpu::PackedVt packed;
+  packed.blocks = blocks.data();
+  packed.num_blocks = static_cast<int>(blocks.size());
+  packed.block_bytes = cpu::packed_vt_bytes(head_size, kv.block_size);
+  const int64_t count = num_kv_heads * packed.num_blocks;
+  char* data = reinterpret_cast<char*>(
+      cpu::driver_scratch().get(kSharedVtSlot, static_cast<size_t>(count * packed.block_bytes / sizeof(float))));
+  packed.data = data;
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x)
+      kern.pack_vt(kv, blocks[x % packed.num_blocks], static_cast<int>(x / packed.num_blocks),
+                   data + x * packed.block_bytes);
+  });
+  return packed;
 }
 
 template <typename qscalar_t>
@@ -121,7 +166,14 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     for (int64_t t0 = (num_new - 1) / tile_tokens * tile_tokens; t0 >= 0; t0 -= tile_tokens)
       items.push_back({static_cast<int32_t>(i), h, t0, std::min(num_new, t0 + tile_tokens), request_cost[i]});
   };
-  if (share_cached_blocks(qsl, lens, table, table_stride, block_size)) {
+  const bool shared = share_cached_blocks(qsl, lens, table, table_stride, block_size);
+  std::vector<int32_t> shared_blocks;
+  cpu::PackedVt shared_vt;
+  if (shared && cpu::takes_packed_vt(kern, block_size)) {
+    shared_blocks = blocks_read_twice(qsl, lens, table, table_stride, block_size);
+    shared_vt = pack_shared_vt(kern, kv, num_kv_heads, D, shared_blocks);
+  }
+  if (shared) {
     for (int32_t h = 0; h < num_kv_heads; ++h)
       for (int64_t i = 0; i < num_reqs; ++i) push_group(i, h);
   } else {
@@ -171,6 +223,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     job.q_scale = scale;
     job.softcap = variant.logits_soft_cap;
     if (variant.alibi_slopes) job.alibi_slopes = slopes;
+    if (shared_vt.num_blocks > 0) job.packed_vt = &shared_vt;
     // Every row sees its own key, so a window always leaves one.
     if (window > 0) cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
     (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);

@@ -786,6 +786,30 @@ def test_paged_prefill_burst_behind_a_shared_prefix(isa):
                   query, 0, ref, torch.float32, "paged_prefill")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_paged_prefill_blocks_several_requests_read(isa, dtype, block_size):
+    """Blocks that several requests of one call read: three requests behind one shared prefix (where the
+    lanes tile multiplies a packed V^T, the driver packs the prefix's once for all of them), one of them
+    computing new tokens in a block the others read as context, and two requests that end inside one
+    shared block (its keys past both ends packed, and masked)."""
+    gen = torch.Generator().manual_seed(4)
+    head_size, kv_heads, group = 128, 2, 4
+    bs = block_size
+    table = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 7], [5, 6, 8, 8], [5, 6, 8, 8]], dtype=torch.int32)
+    lens = torch.tensor([3 * bs + 10, 3 * bs + bs // 2, 3 * bs, bs + 7, bs + 3], dtype=torch.int32)
+    num_new = [20, 12, bs + 5, 9, 6]
+    qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    kv = torch.randn(9, kv_heads, bs, 2 * head_size, generator=gen).to(dtype)
+    query = torch.randn(int(qsl[-1]), kv_heads * group, head_size, generator=gen).to(dtype)
+    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl,
+                scale=head_size**-0.5)
+    ref = _prefill_reference(case)
+    assert_on_isa(isa, lambda out: ops.paged_prefill(query, kv, qsl, lens, table, case["scale"], out),
+                  query, 0, ref, dtype, f"paged_prefill block_size={bs}")
+
+
 # ---------------------------------------------------------------------------
 # KV write
 
