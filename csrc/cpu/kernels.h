@@ -119,7 +119,7 @@ struct AttnJob {
   // `lanes` only: work for its gaps (GapWork), or none.
   GapWork* gap = nullptr;
   // `lanes` only, where takes_packed_vt: V^T the driver packed for some of
-  // the job's blocks (KV head `head`; num_heads 1), or none.
+  // the job's blocks, or none.
   const PackedVt* packed_vt = nullptr;
 };
 
@@ -173,6 +173,7 @@ struct KernelTable {
 inline bool takes_packed_vt(const KernelTable& kern, int64_t block_size) {
   return kern.pack_vt != nullptr && block_size % 32 == 0;
 }
+// Bytes of one block's packed V^T (bf16, the AMX tile's operand).
 inline int64_t packed_vt_bytes(int64_t head_size, int64_t block_size) { return head_size * block_size * 2; }
 
 // Kernels for the KV dtype and head size on the best ISA of this CPU, or the
