@@ -168,10 +168,12 @@ struct KernelTable {
   PackVtFn pack_vt;
 };
 
-// Whether `lanes` takes V^T packed by pack_vt for caches of this block size:
-// it reads V^T 32 keys at a time, which must not straddle blocks.
+// Keys of one P.V step of the AMX tile: the V^T it reads at a time, which
+// must not straddle blocks for a block's packed V^T to stand alone.
+inline constexpr int kPackedVtStepKeys = 32;
+// Whether `lanes` takes V^T packed by pack_vt for caches of this block size.
 inline bool takes_packed_vt(const KernelTable& kern, int64_t block_size) {
-  return kern.pack_vt != nullptr && block_size % 32 == 0;
+  return kern.pack_vt != nullptr && block_size % kPackedVtStepKeys == 0;
 }
 // Bytes of one block's packed V^T (bf16, the AMX tile's operand).
 inline int64_t packed_vt_bytes(int64_t head_size, int64_t block_size) { return head_size * block_size * 2; }

@@ -64,14 +64,15 @@ bool share_cached_blocks(const std::vector<int64_t>& qsl, const std::vector<int6
   return false;
 }
 
-// The blocks that two or more requests with new tokens read, sorted. (Keys
-// past a reader's seq_len in a block it reads are finite, as for every tile:
-// masked, their P is 0.)
-std::vector<int32_t> blocks_read_twice(const std::vector<int64_t>& qsl, const std::vector<int64_t>& lens,
-                                       const int32_t* table, int64_t table_stride, int64_t block_size) {
+// The blocks that two or more of the requests `reader(i)` names read, sorted.
+// (Keys past a reader's seq_len in a block it reads are finite, as for every
+// tile: masked, their P is 0.)
+template <class Reader>
+std::vector<int32_t> blocks_read_twice(const std::vector<int64_t>& lens, const int32_t* table, int64_t table_stride,
+                                       int64_t block_size, const Reader& reader) {
   std::vector<int32_t> reads;
   for (size_t i = 0; i < lens.size(); ++i) {
-    if (qsl[i + 1] == qsl[i]) continue;  // no job reads it
+    if (!reader(i)) continue;
     for (int64_t c = 0; c * block_size < lens[i]; ++c) reads.push_back(table[i * table_stride + c]);
   }
   std::sort(reads.begin(), reads.end());
@@ -170,7 +171,11 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
   std::vector<int32_t> shared_blocks;
   cpu::PackedVt shared_vt;
   if (shared && cpu::takes_packed_vt(kern, block_size)) {
-    shared_blocks = blocks_read_twice(qsl, lens, table, table_stride, block_size);
+    // Only the lanes tile reads packed V^T: requests whose items all run `direct` gain nothing from it.
+    auto runs_lanes = [&](size_t i) {
+      return std::min(qsl[i + 1] - qsl[i], tile_tokens) * group > kern.direct_max_rows;
+    };
+    shared_blocks = blocks_read_twice(lens, table, table_stride, block_size, runs_lanes);
     shared_vt = pack_shared_vt(kern, kv, num_kv_heads, D, shared_blocks);
   }
   if (shared) {

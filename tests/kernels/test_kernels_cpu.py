@@ -767,41 +767,23 @@ def test_paged_prefill_int64_metadata_and_long_prompt(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_paged_prefill_burst_behind_a_shared_prefix(isa):
-    """Requests whose cached context starts with the same blocks (the driver then walks one KV head of every
-    request before the next head), of different lengths, one of them computing its prompt from scratch."""
-    gen = torch.Generator().manual_seed(3)
-    block_size, head_size, kv_heads, group = 32, 64, 3, 2
-    shared = [0, 1, 2]
-    table = torch.tensor([shared + [3, 4], shared + [5, 0], shared + [6, 7], [8, 9, 10, 11, 0]], dtype=torch.int32)
-    lens = torch.tensor([150, 100, 160, 120], dtype=torch.int32)
-    num_new = [40, 4, 64, 120]
-    qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
-    kv = torch.randn(12, kv_heads, block_size, 2 * head_size, generator=gen)
-    query = torch.randn(int(qsl[-1]), kv_heads * group, head_size, generator=gen)
-    case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl,
-                scale=head_size**-0.5)
-    ref = _prefill_reference(case)
-    assert_on_isa(isa, lambda out: ops.paged_prefill(query, kv, qsl, lens, table, case["scale"], out),
-                  query, 0, ref, torch.float32, "paged_prefill")
-
-
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
-def test_paged_prefill_blocks_several_requests_read(isa, dtype, block_size):
-    """Blocks that several requests of one call read: three requests behind one shared prefix (where the
-    lanes tile multiplies a packed V^T, the driver packs the prefix's once for all of them), one of them
-    computing new tokens in a block the others read as context, and two requests that end inside one
-    shared block (its keys past both ends packed, and masked)."""
+@pytest.mark.parametrize("head_size, kv_heads, group", [(64, 3, 2), (128, 2, 4)], ids=["d64-gqa2", "d128-gqa4"])
+def test_paged_prefill_burst_behind_a_shared_prefix(isa, dtype, block_size, head_size, kv_heads, group):
+    """Requests whose cached context starts with the same blocks (the driver then walks one KV head of every
+    request before the next head, and where the lanes tile multiplies a packed V^T it packs the shared
+    blocks' once for all of them), of different lengths: three behind one prefix, one of them computing new
+    tokens in a block the others read as context; two that end inside one shared block (its keys past both
+    ends packed, and masked); one computing its prompt from scratch."""
     gen = torch.Generator().manual_seed(4)
-    head_size, kv_heads, group = 128, 2, 4
     bs = block_size
-    table = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 7], [5, 6, 8, 8], [5, 6, 8, 8]], dtype=torch.int32)
-    lens = torch.tensor([3 * bs + 10, 3 * bs + bs // 2, 3 * bs, bs + 7, bs + 3], dtype=torch.int32)
-    num_new = [20, 12, bs + 5, 9, 6]
+    table = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 7], [5, 6, 8, 8], [5, 6, 8, 8], [9, 10, 11, 9]],
+                         dtype=torch.int32)
+    lens = torch.tensor([3 * bs + 10, 3 * bs + bs // 2, 3 * bs, bs + 7, bs + 3, 2 * bs + 5], dtype=torch.int32)
+    num_new = [20, 12, bs + 5, 9, 6, 2 * bs + 5]
     qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
-    kv = torch.randn(9, kv_heads, bs, 2 * head_size, generator=gen).to(dtype)
+    kv = torch.randn(12, kv_heads, bs, 2 * head_size, generator=gen).to(dtype)
     query = torch.randn(int(qsl[-1]), kv_heads * group, head_size, generator=gen).to(dtype)
     case = dict(query=query, kv_cache=kv, block_table=table, seq_lens=lens, query_start_loc=qsl,
                 scale=head_size**-0.5)
