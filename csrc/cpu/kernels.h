@@ -166,6 +166,9 @@ struct KernelTable {
   // The AMX lanes tile's V^T packing for a driver that packs shared blocks
   // once (PackedVt); nullptr where `lanes` packs nothing or packs otherwise.
   PackVtFn pack_vt;
+
+  // The one dispatch rule between the two tiles: `direct` up to direct_max_rows rows per KV head.
+  bool runs_direct(int64_t rows) const { return rows <= direct_max_rows; }
 };
 
 // Keys of one P.V step of the AMX tile: the V^T it reads at a time, which

@@ -173,7 +173,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
   if (shared && cpu::takes_packed_vt(kern, block_size)) {
     // Only the lanes tile reads packed V^T: requests whose items all run `direct` gain nothing from it.
     auto runs_lanes = [&](size_t i) {
-      return std::min(qsl[i + 1] - qsl[i], tile_tokens) * group > kern.direct_max_rows;
+      return !kern.runs_direct(std::min(qsl[i + 1] - qsl[i], tile_tokens) * group);
     };
     shared_blocks = blocks_read_twice(lens, table, table_stride, block_size, runs_lanes);
     shared_vt = pack_shared_vt(kern, kv, num_kv_heads, D, shared_blocks);
@@ -231,7 +231,7 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& query, const to
     if (shared_vt.num_blocks > 0) job.packed_vt = &shared_vt;
     // Every row sees its own key, so a window always leaves one.
     if (window > 0) cpu::trim_to_window(job, first_key, q_pos, static_cast<int>(block_size));
-    (rows <= kern.direct_max_rows ? kern.direct : kern.lanes)(kv, job);
+    (kern.runs_direct(rows) ? kern.direct : kern.lanes)(kv, job);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = it.t0 + r / group, g = r % group;
       // Every row sees at least its own key, so n[r] > 0.

@@ -364,7 +364,7 @@ class DecodeRun {
         heads_per_item_(plan.header.heads_per_item),
         items_per_run_((num_kv_heads_ + heads_per_item_ - 1) / heads_per_item_),
         num_seq_items_(plan.num_runs * items_per_run_),
-        gaps_on_(group_ <= kern_.direct_max_rows && cpu::cpu_tuning().lanes_prefetch_spread > 0),
+        gaps_on_(kern_.runs_direct(group_) && cpu::cpu_tuning().lanes_prefetch_spread > 0),
         part_rows_(static_cast<int64_t>(plan.header.num_slots) * group_),
         pending_(new std::atomic<int32_t>[std::max<int64_t>(plan.header.num_nodes, 1)]),
         claims_(num_chunk_items_ + num_seq_items_, num_kv_heads_) {
@@ -482,7 +482,7 @@ class DecodeRun {
       float* mn = scr.get(2, 2 * nh * M);
       job.o = scr.get(1, nh * M * D), job.m = mn, job.n = mn + nh * M;
     }
-    if (M <= kern_.direct_max_rows) {
+    if (kern_.runs_direct(M)) {
       kern_.direct(kv_, job);
     } else {
       job.gap = gap;
@@ -520,7 +520,7 @@ class DecodeRun {
   int64_t item_head_rows(int64_t i) const { return run_rows(item_run(i)) * group_; }
   // Phase 2 takes `direct` for a few rows per KV head, else the lanes tile (not in a gap: it would share the
   // tile's scratch).
-  bool item_direct(int64_t i) const { return item_head_rows(i) <= kern_.direct_max_rows; }
+  bool item_direct(int64_t i) const { return kern_.runs_direct(item_head_rows(i)); }
   // Item i's first private row for its head `first` (relative to its first): a run owns the rows of its
   // batch rows' query heads, [KV head, token, G] within.
   int64_t private_row(int64_t i, int64_t first) const {
@@ -604,7 +604,7 @@ class DecodeRun {
   // Phase-1 items that run `direct` (few rows: memory bound) and phase-2 private parts of a chunk or more;
   // phase-2 items come longest first, so the first shorter one ends the gaps' share.
   GapFit gap_fit(int64_t g) const {
-    if (g < num_chunk_items_) return node_rows(g) <= kern_.direct_max_rows ? GapFit::kTake : GapFit::kSkip;
+    if (g < num_chunk_items_) return kern_.runs_direct(node_rows(g)) ? GapFit::kTake : GapFit::kSkip;
     const int64_t i = g - num_chunk_items_;
     if (private_keys(item_last_row(i)) < block_size_) return GapFit::kStop;
     return item_direct(i) ? GapFit::kTake : GapFit::kSkip;
