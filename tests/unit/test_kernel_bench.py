@@ -69,6 +69,19 @@ def test_kernel_benchmark_as_an_avx2_cpu(tmp_path):
     assert "As on a CPU without AVX-512" in (tmp_path / "table.md").read_text()
 
 
+def test_as_an_avx2_cpu_vllm_picks_no_avx512_or_amx_kernel():
+    """--as-avx2-cpu's process: torch's probes say no AVX-512 and no AMX, so vLLM picks its AVX2 build's "vec"
+    kernel for bf16 too (on a CPU with AMX it picked "amx", which _C_AVX2 does not have)."""
+    probe = ("import os, sys, torch; from vllm_chunkattn.bench import kernel; "
+             "os.environ[kernel.AS_AVX2_CPU_MARKER] = '1'; kernel.as_avx2_cpu([]); "
+             "from vllm.v1.attention.backends.cpu_attn import _get_attn_isa; "
+             "print(torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported(), "
+             "_get_attn_isa(torch.bfloat16, 64, 128), _get_attn_isa(torch.float32, 64, 128))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-4:] == ["False", "False", "vec", "vec"]
+
+
 def test_a_wrong_implementation_fails_the_run(tmp_path, monkeypatch, capsys):
     """SDPA made wrong (a doubled softmax scale): the run exits 1 naming the point, SDPA and its difference,
     and reports no time of that point."""

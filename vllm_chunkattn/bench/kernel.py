@@ -1123,6 +1123,9 @@ def as_avx2_cpu(argv: list[str] | None) -> None:
         raise RuntimeError("--as-avx2-cpu: vLLM's kernels were loaded before their ISA could be chosen")
     torch.cpu._is_avx512_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: False
+    # No CPU without AVX-512 has AMX; vLLM's _C_AVX2 has no AMX kernel, yet vLLM picks "amx" for bf16 where
+    # torch reports AMX tiles.
+    torch.cpu._is_amx_tile_supported = lambda: False
 
 
 def loaded_vllm_kernel_libraries() -> list[str]:
