@@ -8,6 +8,13 @@
 //   value tile, both row-major and contiguous. A chunk of one head is therefore
 //   two dense matrices, which is what the chunk-first phase multiplies.
 //   A token in slot s lives in block s / block_size at row s % block_size.
+//   On CPUs a bfloat16 cache keeps its value tile in key pairs: rows 2p and 2p + 1
+//   interleaved, value (row r, head dim d) at [r / 2][2 d + r % 2] of the tile read
+//   as [block_size / 2, 2 * head_size] (cpu::kValuePairs). That is the B operand of
+//   AMX's bf16 product for O += P V, so the AMX tile multiplies V where it lies;
+//   the other CPU kernels split a pair row into its two keys' values with a shift
+//   and a mask (load_pairs). float32 and float16 caches, and every GPU cache, keep
+//   the value tile row-major. vllm_chunkattn/kernels/layout.py states the same.
 //
 // Sliding window (the attention ops' `sliding_window`, vLLM's): 0 for none;
 // W > 0: a query at position p sees keys p - W + 1 .. p only, as FlashAttention's

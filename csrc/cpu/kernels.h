@@ -12,10 +12,12 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/scratch.h"
@@ -23,13 +25,17 @@
 namespace chunkattn::cpu {
 
 // One layer's KV cache, [num_blocks, num_kv_heads, block_size, 2 * head_size]:
-// for (block, head) the K tile [block_size, head_size] and then the V tile.
+// for (block, head) the K tile [block_size, head_size] and then the V tile (a bf16 one in key pairs, chunkattn.h).
 struct KvView {
   const void* data;
   int64_t block_stride;  // elements
   int64_t head_stride;   // elements
   int block_size;
 };
+
+// Whether a cache of T keeps its V tile in key pairs (chunkattn.h): bf16's does.
+template <typename T>
+constexpr bool kValuePairs = std::is_same_v<T, c10::BFloat16>;
 
 // Keys [0, keys) of KV head `head` in cache block `block` (block -1: no tile).
 struct TileRef {

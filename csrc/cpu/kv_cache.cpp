@@ -2,9 +2,11 @@
 //
 // Layouts (see csrc/chunkattn.h):
 //   key, value:    [num_tokens, num_kv_heads, head_size] (rows may be strided)
-//   kv_cache:      [num_blocks, num_kv_heads, block_size, 2 * head_size]
+//   kv_cache:      [num_blocks, num_kv_heads, block_size, 2 * head_size];
+//                  a bfloat16 cache's V tile in key pairs (cpu::kValuePairs)
 //   slot_mapping:  [num_tokens] int64 (or int32); a negative slot means padding
 #include "chunkattn.h"
+#include "cpu/kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -39,7 +41,13 @@ void write_kv_cache_impl(const torch::Tensor& key, const torch::Tensor& value,
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         scalar_t* dst = cache + block * cache_block + h * cache_head + row * head_size;
         std::memcpy(dst, k + t * k_tok + h * k_head, head_size * sizeof(scalar_t));
-        std::memcpy(dst + tile, v + t * v_tok + h * v_head, head_size * sizeof(scalar_t));
+        const scalar_t* src = v + t * v_tok + h * v_head;
+        if constexpr (cpu::kValuePairs<scalar_t>) {
+          scalar_t* pair = dst - row * head_size + tile + (row / 2) * 2 * head_size + row % 2;
+          for (int64_t d = 0; d < head_size; ++d) pair[2 * d] = src[d];
+        } else {
+          std::memcpy(dst + tile, src, head_size * sizeof(scalar_t));
+        }
       }
     }
   });

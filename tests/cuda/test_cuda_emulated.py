@@ -14,6 +14,7 @@ them on a real GPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import numpy as np
@@ -41,6 +42,8 @@ _reason = emu_build.missing_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=f"cannot build the CUDA emulator: {_reason}")
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# The emulator runs CUDA's kernels on CPU tensors: its caches have CUDA's layout (kernels/layout.py).
+reference_attention = functools.partial(reference.paged_attention, kernels_device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +160,7 @@ def test_sequence_first_keeps_one_stage_where_two_cost_resident_blocks(emu, smem
     two_stages = script.dynamic_smem_bytes(head_size, group)
     assert launched == (two_stages if stages == 2 else script.dynamic_smem_bytes(head_size))
     assert smem_per_sm // launched == blocks_per_sm
-    expected = reference.paged_attention(query, kv_cache, torch.arange(len(seq_lens) + 1), seq_lens, table,
+    expected = reference_attention(query, kv_cache, torch.arange(len(seq_lens) + 1), seq_lens, table,
                                          1 / math.sqrt(head_size))
     _check(out, expected, dtype)
 
@@ -169,7 +172,7 @@ def test_tpp_decode_random_trees(emu, seed, batch, block_size, head_size, group,
     assert ctx.num_nodes > 0, "the case must exercise the chunk-first phase"
     scale = 1 / math.sqrt(head_size)
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, scale, num_sms=num_sms)
-    expected = reference.paged_attention(
+    expected = reference_attention(
         query, kv_cache, torch.arange(batch + 1), seq_lens, table, scale
     )
     _check(out, expected, dtype)
@@ -183,7 +186,7 @@ def test_tpp_decode_many_rows_per_node(emu):
     query, kv_cache, table, seq_lens = _decode_case(11, 0, 16, 64, 3, torch.float16, table=table, seq_lens=seq_lens)
     ctx = prefix_tree(table, seq_lens, 16)
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125, num_sms=8)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(27), seq_lens, table, 0.125)
+    expected = reference_attention(query, kv_cache, torch.arange(27), seq_lens, table, 0.125)
     _check(out, expected, torch.float16)
 
 
@@ -194,7 +197,7 @@ def test_tpp_decode_paper_batch(emu):
     ctx = prefix_tree(table, seq_lens, 64)
     assert ctx.num_nodes == 1
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.1, num_sms=6)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.1)
+    expected = reference_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.1)
     _check(out, expected, torch.bfloat16)
 
 
@@ -214,7 +217,7 @@ def test_races_under_skewed_schedules(emu, schedule, early):
             query, kv_cache, table, seq_lens = _decode_case(20 + head_size, 6, 16, head_size, group, torch.float16)
             ctx = prefix_tree(table, seq_lens, 16)
             out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.1, num_sms=1, blocks_per_sm=1)
-            expected = reference.paged_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.1)
+            expected = reference_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.1)
             _check(out, expected, torch.float16)
         rng = np.random.default_rng(schedule * 2 + early)
         table, seq_lens = random_forest(rng, 3, 32, max_shared_blocks=2, max_private_blocks=2)
@@ -222,7 +225,7 @@ def test_races_under_skewed_schedules(emu, schedule, early):
         kv_cache = random_kv_cache(num_blocks_needed(table), 2, 32, 128, torch.bfloat16)
         query = torch.randn(int(qsl[-1]), 4, 128).to(torch.bfloat16)
         out = emu_prefill(emu, query, kv_cache, qsl, seq_lens, table, 0.09)
-        _check(out, reference.paged_attention(query, kv_cache, qsl, seq_lens, table, 0.09), torch.bfloat16)
+        _check(out, reference_attention(query, kv_cache, qsl, seq_lens, table, 0.09), torch.bfloat16)
     finally:
         emu.emu_set_schedule(0)
         emu.emu_set_cp_async_early(0)
@@ -244,7 +247,7 @@ def test_tpp_decode_graph_padded_context(emu):
     ctx = buffers.load(prefix_tree(table, seq_lens, block_size), batch=table.shape[0])
     assert ctx.num_partial_rows == 40 and ctx.node_begin.numel() == 15
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
+    expected = reference_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
     _check(out[:7], expected[:7], torch.float16)
     assert torch.equal(out[7:], torch.zeros_like(out[7:])), "padding requests must give zeros"
 
@@ -262,7 +265,7 @@ def test_tpp_decode_one_plan_for_many_layers(emu, num_sms):
     buffers = DeviceTreeBuffers(max_batch=16, max_nodes=15, max_partial_rows=64, device="cpu")
     ctx = buffers.load(prefix_tree(table, seq_lens, block_size), batch=10)
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125, num_sms=num_sms, layers=3)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
+    expected = reference_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
     _check(out, expected, torch.bfloat16)
 
 
@@ -278,7 +281,7 @@ def test_tpp_decode_truncated_tree(emu):
     ctx = buffers.load(full, batch=12)
     assert int((ctx.node_end - ctx.node_begin).clamp(min=0).count_nonzero()) < full.num_nodes
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(13), seq_lens, table, 0.125)
+    expected = reference_attention(query, kv_cache, torch.arange(13), seq_lens, table, 0.125)
     _check(out, expected, torch.float16)
 
 
@@ -301,7 +304,7 @@ def test_tpp_decode_plan_with_many_nodes(emu):
         num_partial_rows=ctx.num_partial_rows,
     )
     out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125, num_sms=2)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
+    expected = reference_attention(query, kv_cache, torch.arange(11), seq_lens, table, 0.125)
     _check(out, expected, torch.float16)
 
 
@@ -314,7 +317,7 @@ def test_tpp_decode_strided_query_and_output(emu):
     q_view = wide[:, : query.shape[1]]
     ctx = prefix_tree(table, seq_lens, 32)
     out = emu_decode(emu, q_view, kv_cache, table, seq_lens, ctx, 0.09)
-    expected = reference.paged_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.09)
+    expected = reference_attention(query, kv_cache, torch.arange(7), seq_lens, table, 0.09)
     _check(out, expected, torch.bfloat16)
 
 
@@ -362,7 +365,7 @@ def test_tpp_decode_rows_of_several_tokens(emu, seed, batch, block_size, head_si
     assert ctx.num_nodes > 0
     scale = 1 / math.sqrt(head_size)
     out = emu_decode(emu, query, kv_cache, rows.block_table, rows.seq_lens, ctx, scale, num_sms=num_sms)
-    _check(out, reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale), dtype)
+    _check(out, reference_attention(query, kv_cache, qsl, seq_lens, table, scale), dtype)
 
 
 def test_tpp_decode_stacked_rows_span_several_tiles(emu):
@@ -380,7 +383,7 @@ def test_tpp_decode_stacked_rows_span_several_tiles(emu):
     covered = (ctx.node_end - ctx.node_begin).tolist()
     assert max(covered) == 48 and covered.count(4) == 12, covered  # the prefix node, and each request's own
     out = emu_decode(emu, query, kv_cache, rows.block_table, rows.seq_lens, ctx, 0.125, num_sms=6)
-    _check(out, reference.paged_attention(query, kv_cache, qsl, seq_lens, table, 0.125), torch.bfloat16)
+    _check(out, reference_attention(query, kv_cache, qsl, seq_lens, table, 0.125), torch.bfloat16)
 
 
 PREFILL_CASES = [
@@ -404,7 +407,7 @@ def test_paged_prefill(emu, seed, batch, block_size, head_size, group, dtype):
     query = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen).to(dtype)
     scale = 1 / math.sqrt(head_size)
     out = emu_prefill(emu, query, kv_cache, qsl, seq_lens, table, scale)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale)
+    expected = reference_attention(query, kv_cache, qsl, seq_lens, table, scale)
     _check(out, expected, dtype)
 
 
@@ -420,8 +423,8 @@ def test_tpp_decode_attention_variants(emu, name):
     variant = attention_variant(KERNEL_VARIANTS[name], query.shape[1], torch.Generator().manual_seed(5))
     scale = 1 / math.sqrt(head_size)
     qsl = torch.arange(query.shape[0] + 1)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale, **variant)
-    plain = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale)
+    expected = reference_attention(query, kv_cache, qsl, seq_lens, table, scale, **variant)
+    plain = reference_attention(query, kv_cache, qsl, seq_lens, table, scale)
     assert (expected.float() - plain.float()).abs().max() > 10 * TOL[dtype]  # the variant matters here
     for num_sms in (1, 16):  # few and many pieces per node and splits per request
         out = emu_decode(emu, query, kv_cache, table, seq_lens, ctx, scale, num_sms=num_sms, **variant)
@@ -442,7 +445,7 @@ def test_tpp_decode_windows_that_start_inside_nodes(emu, window):
     variant = attention_variant(dict(sliding_window=window, sinks=True), query.shape[1],
                                 torch.Generator().manual_seed(6))
     qsl = torch.arange(13)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, 0.125, **variant)
+    expected = reference_attention(query, kv_cache, qsl, seq_lens, table, 0.125, **variant)
     for num_sms in (1, 16):
         _check(emu_decode(emu, query, kv_cache, table, seq_lens, ctx, 0.125, num_sms=num_sms, **variant), expected,
                torch.float16)
@@ -460,8 +463,8 @@ def test_paged_prefill_attention_variants(emu, name):
     query = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen).to(dtype)
     variant = attention_variant(KERNEL_VARIANTS[name], query.shape[1], gen)
     scale = 1 / math.sqrt(head_size)
-    expected = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale, **variant)
-    plain = reference.paged_attention(query, kv_cache, qsl, seq_lens, table, scale)
+    expected = reference_attention(query, kv_cache, qsl, seq_lens, table, scale, **variant)
+    plain = reference_attention(query, kv_cache, qsl, seq_lens, table, scale)
     assert (expected.float() - plain.float()).abs().max() > 10 * TOL[dtype]
     _check(emu_prefill(emu, query, kv_cache, qsl, seq_lens, table, scale, **variant), expected, dtype)
 
@@ -479,7 +482,7 @@ def test_write_kv_cache(emu, dtype, slot_dtype):
     slots[3] = -1  # padding
     cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
     expected = cache.clone()
-    reference.write_kv_cache(key, value, expected, slots)
+    reference.write_kv_cache(key, value, expected, slots, kernels_device="cuda")
     err = emu.emu_write_kv_cache(
         _ptr(key), _ptr(value), _ptr(cache), _ptr(slots), int(slot_dtype == torch.int64), tokens, num_kv_heads,
         head_size, block_size, cache.element_size(),

@@ -13,7 +13,7 @@ import torch
 from vllm_chunkattn.testing import reference
 from vllm_chunkattn.bench import kernel_gpu as kg
 from vllm_chunkattn.testing.paged_cases import num_blocks_needed, random_kv_cache
-from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.kernels import layout
 from vllm_chunkattn.prefix.tree import prefix_tree
 
 
@@ -65,7 +65,7 @@ def test_baseline_layouts_hold_the_same_keys_and_values():
     point = kg.Point("t", 3, 40, 32, 1)
     table, seq_lens = kg.point_table(point, 16)
     kv = random_kv_cache(num_blocks_needed(table), 2, 16, 64, torch.float32)
-    k_cache, v_cache = split_kv(kv)
+    k_cache, v_cache = layout.read_blocks(kv, torch.arange(kv.shape[0]), kernels_device="cuda")
     k_fa, v_fa = kg.flash_layout(kv)
     assert torch.equal(k_fa.transpose(1, 2), k_cache) and torch.equal(v_fa.transpose(1, 2), v_cache)
     private = kg.unshared_table(table, seq_lens, 16)

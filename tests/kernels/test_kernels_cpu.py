@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from vllm_chunkattn import _C
-from vllm_chunkattn.kernels import cpu_tuning, ops, torch_fallback
+from vllm_chunkattn.kernels import cpu_tuning, layout, ops, torch_fallback
 from vllm_chunkattn.kernels.support import CPU
 from vllm_chunkattn.prefix import tree
 from vllm_chunkattn.prefix.query_rows import expand_query_rows
@@ -824,6 +824,72 @@ def test_write_kv_cache_matches_reference(dtype, head_size, block_size, num_kv_h
     reference.write_kv_cache(key, value, expected, slots)
     ops.write_kv_cache(key, value, cache, slots.to(slot_dtype))
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_the_cache_layout_is_the_stated_one(dtype):
+    """csrc/chunkattn.h and kernels/layout.py: keys by row; in a bfloat16 cache
+    the value of row r at head dim d at [r // 2][2d + r % 2] of its tile,
+    float32 and float16 values by row."""
+    num_blocks, heads, block_size, head_size = 3, 2, 32, 64
+    cache = torch.zeros(num_blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    key, value = (torch.arange(1, heads * head_size + 1).view(1, heads, head_size).to(dtype) * sign for sign in (1, -1))
+    ops.write_kv_cache(key, value, cache, torch.tensor([block_size + 7]))  # block 1, row 7
+    tiles = cache.view(num_blocks, heads, 2, block_size, head_size)
+    assert torch.equal(tiles[1, :, 0, 7], key[0])
+    v_tile = tiles[1, :, 1]
+    if dtype == torch.bfloat16:
+        assert layout.values_in_pairs(dtype, "cpu") and not layout.values_in_pairs(dtype, "cuda")
+        pair_rows = v_tile.reshape(heads, block_size // 2, 2 * head_size)
+        assert torch.equal(pair_rows[:, 3, 1::2], value[0]) and not pair_rows[:, 3, 0::2].any()
+    else:
+        assert not layout.values_in_pairs(dtype, "cpu")
+        assert torch.equal(v_tile[:, 7], value[0])
+    assert int(cache.ne(0).sum()) == 2 * heads * head_size  # nothing else written
+    k, v = layout.read_tokens(cache, torch.tensor([1]), torch.tensor([7]))
+    assert torch.equal(k, key) and torch.equal(v, value)
+    k_blocks, v_blocks = layout.read_blocks(cache, torch.tensor([1]))
+    assert torch.equal(k_blocks[0, :, 7], key[0]) and torch.equal(v_blocks[0, :, 7], value[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_slots_no_token_was_written_to_never_reach_the_output(isa):
+    """bf16 values lie in key pairs, so an odd number of keys shares its last
+    pair row with a slot no token was written to. With NaN in every slot past
+    each request's keys, prefill (the lanes tile, the AMX tile's P V on the
+    cache, and the direct kernel) and decode stay the oracle's."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, head_size, kv_heads, group = 64, 128, 2, 4
+    lens = [129, 67, 33, 1, 191]
+    new = [65, 3, 33, 1, 17]
+    blocks_of = [-(-n // block_size) for n in lens]
+    table = torch.zeros(len(lens), max(blocks_of), dtype=torch.int32)
+    first = 0
+    for i, count in enumerate(blocks_of):
+        table[i, :count] = torch.arange(first, first + count, dtype=torch.int32)
+        first += count
+    kv = torch.randn(first, kv_heads, block_size, 2 * head_size, generator=gen).to(torch.bfloat16)
+    poisoned = kv.clone()
+    for i, n in enumerate(lens):
+        if n % block_size:
+            rows = torch.arange(n % block_size, block_size)
+            block = torch.full_like(rows, int(table[i, blocks_of[i] - 1]))
+            nan = torch.full((len(rows), kv_heads, head_size), float("nan"), dtype=torch.bfloat16)
+            layout.write_tokens(poisoned, block, rows, nan, nan)
+    assert torch.isnan(poisoned).any()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    scale = head_size**-0.5
+    query = torch.randn(int(qsl[-1]), kv_heads * group, head_size, generator=gen).to(torch.bfloat16)
+    ref = reference.paged_attention(query, kv, qsl, seq_lens, table, scale)
+    assert_on_isa(isa, lambda out: ops.paged_prefill(query, poisoned, qsl, seq_lens, table, scale, out), query, 0,
+                  ref, torch.bfloat16, "paged_prefill past the keys")
+    decode = dict(query=torch.randn(len(lens), kv_heads * group, head_size, generator=gen).to(torch.bfloat16),
+                  kv_cache=kv, block_table=table, seq_lens=seq_lens, scale=scale, dtype=torch.bfloat16)
+    ref = _decode_reference(decode)
+    plan = _plan(decode, tree.prefix_tree(table, seq_lens, block_size))
+    assert_on_isa(isa, lambda out: ops.tpp_decode(decode["query"], poisoned, plan, scale, out), decode["query"], 0, ref,
+                  torch.bfloat16, "tpp_decode past the keys")
 
 
 # ---------------------------------------------------------------------------

@@ -121,7 +121,7 @@ from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.kernels import cpu_tuning, ops
 from vllm_chunkattn.kernels.cpu_info import CacheFlusher
 from vllm_chunkattn.prefix.plan import DecodeShape
-from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.kernels import layout
 from vllm_chunkattn.prefix import tree
 from vllm_chunkattn.prefix.query_rows import expand_query_rows, unstack_own_nodes
 from vllm_chunkattn.kernels.support import CPU
@@ -300,7 +300,6 @@ def vllm_cache(src: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tens
     d = two_d // 2
     kv = torch.zeros(num_dst_blocks, heads, chunk, two_d, dtype=src.dtype)
     key_cache, value_cache = kv.view(num_dst_blocks, heads, 2 * chunk, d).chunk(2, dim=2)
-    k_src, v_src = split_kv(src)
     pairs: dict[int, int] = {}
     for s, t in zip(src_table.flatten().tolist(), dst_table.flatten().tolist()):
         pairs[t] = s
@@ -310,8 +309,7 @@ def vllm_cache(src: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tens
     rows = torch.arange(chunk)
     for i in range(0, len(dst), step):
         s, t = srcs[i : i + step], dst[i : i + step]
-        keys = k_src[s].permute(0, 2, 1, 3).reshape(-1, heads, d)
-        values = v_src[s].permute(0, 2, 1, 3).reshape(-1, heads, d)
+        keys, values = (x.permute(0, 2, 1, 3).reshape(-1, heads, d) for x in layout.read_blocks(src, s))
         slots = (t[:, None] * chunk + rows[None, :]).reshape(-1)
         vops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, _vllm_isa(src.dtype, chunk))
     return kv, key_cache, value_cache
@@ -333,14 +331,14 @@ def _vllm_isa(dtype: torch.dtype, chunk: int) -> str:
 
 def dense_kv(src: torch.Tensor, table: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[b, h, n, d] key and value tensors gathered from the paged cache."""
-    k_src, v_src = split_kv(src)
     batch, heads, d = table.shape[0], src.shape[1], src.shape[3] // 2
     keys = torch.empty(batch, heads, context, d, dtype=src.dtype)
     values = torch.empty_like(keys)
     for b in range(batch):
         blocks = table[b].long()
-        keys[b] = k_src[blocks].permute(1, 0, 2, 3).reshape(heads, -1, d)[:, :context]
-        values[b] = v_src[blocks].permute(1, 0, 2, 3).reshape(heads, -1, d)[:, :context]
+        k, v = layout.read_blocks(src, blocks)
+        keys[b] = k.permute(1, 0, 2, 3).reshape(heads, -1, d)[:, :context]
+        values[b] = v.permute(1, 0, 2, 3).reshape(heads, -1, d)[:, :context]
     return keys, values
 
 

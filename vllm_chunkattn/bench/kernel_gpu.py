@@ -70,6 +70,7 @@ import torch
 
 from vllm_chunkattn.bench import agreement, machine
 from vllm_chunkattn.prefix.device_buffers import DeviceTreeBuffers
+from vllm_chunkattn.kernels import layout
 from vllm_chunkattn.kernels.support import CUDA
 from vllm_chunkattn.prefix.query_rows import expand_query_rows, unstack_own_nodes
 from vllm_chunkattn.prefix.tree import context_from_nodes
@@ -150,22 +151,18 @@ def unshared_table(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int)
 def dense_kv(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of requests that all have `seq_len` tokens, gathered into
     dense [batch, seq_len, num_kv_heads, head_size] tensors."""
-    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
-    d = two_d // 2
-    n = -(-seq_len // block_size)
-    kv = kv_cache.view(num_blocks, kv_heads, 2, block_size, d)
-    blocks = table[:, :n].long().to(kv_cache.device)  # [B, n]
-    picked = kv[blocks]  # [B, n, H, 2, bs, d]
-    k = picked[:, :, :, 0].permute(0, 1, 3, 2, 4).reshape(table.shape[0], n * block_size, kv_heads, d)
-    v = picked[:, :, :, 1].permute(0, 1, 3, 2, 4).reshape(table.shape[0], n * block_size, kv_heads, d)
+    _, kv_heads, block_size, two_d = kv_cache.shape
+    batch, n = table.shape[0], -(-seq_len // block_size)
+    blocks = table[:, :n].long().to(kv_cache.device).flatten()
+    k, v = (x.view(batch, n, kv_heads, block_size, two_d // 2).permute(0, 1, 3, 2, 4)
+            .reshape(batch, n * block_size, kv_heads, two_d // 2) for x in layout.read_blocks(kv_cache, blocks))
     return k[:, :seq_len].contiguous(), v[:, :seq_len].contiguous()
 
 
 def flash_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our [blocks, H, bs, 2D] cache as vLLM FlashAttention's K and V caches [blocks, bs, H, D]."""
-    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
-    kv = kv_cache.view(num_blocks, kv_heads, 2, block_size, two_d // 2)
-    return kv[:, :, 0].transpose(1, 2).contiguous(), kv[:, :, 1].transpose(1, 2).contiguous()
+    k, v = layout.read_blocks(kv_cache, torch.arange(kv_cache.shape[0], device=kv_cache.device))
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
 @dataclass
@@ -372,8 +369,8 @@ def _method_fns(point: Point, s: Settings, device: torch.device) -> tuple[dict, 
             else:
                 order = ctx.order.long().to(device)
                 q_tree = query[order].contiguous()
-                nb, h, bs, two_d = kv.shape
-                paged = kv.view(nb, h, 2, bs, two_d // 2).permute(0, 2, 3, 1, 4).contiguous()  # NHD
+                k_tiles, v_tiles = layout.read_blocks(kv, torch.arange(kv.shape[0], device=device))
+                paged = torch.stack([k_tiles, v_tiles], 1).permute(0, 1, 3, 2, 4).contiguous()  # NHD
                 workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
                 wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(len(levels), workspace, "NHD")
 

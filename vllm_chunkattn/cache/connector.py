@@ -69,6 +69,7 @@ from vllm_chunkattn.cache import CONNECTOR_NAME
 from vllm_chunkattn.cache.block_store import BadBlock, BlockKey, BlockLayout, DiskStore, HostStore
 from vllm_chunkattn.cache.conversation_tree import POLICIES, ConversationTree, LruPolicy, make_policy
 from vllm_chunkattn.cache.primary_order import PrimaryEvictionOrder
+from vllm_chunkattn.kernels import layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -235,8 +236,13 @@ def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Blo
              f"x{getattr(g.kv_cache_spec, 'head_size', '')}): " + ",".join(g.layer_names)
              for g in kv_cache_config.kv_cache_groups]
     backend = vllm_config.attention_config.backend
+    # The chunk backend's value tiles (kernels/layout.py): in key pairs or by row.
+    values = "chunk value tiles in key pairs" if any(
+        layout.values_in_pairs(g.kv_cache_spec.dtype, current_platform.device_type)
+        for g in kv_cache_config.kv_cache_groups) else "chunk value tiles by row"
     kv_format = (f"{current_platform.device_type}; attention backend {getattr(backend, 'name', backend)}; "
-                 f"cache dtype {vllm_config.cache_config.cache_dtype}; vLLM {vllm.__version__}; " + "; ".join(specs))
+                 f"cache dtype {vllm_config.cache_config.cache_dtype}; {values}; vLLM {vllm.__version__}; "
+                 + "; ".join(specs))
     return BlockLayout(model, vllm_config.cache_config.block_size, tuple(layers), kv_format)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.kernels import layout
 from vllm_chunkattn.prefix.tree import PrefixTreeContext
 
 
@@ -81,12 +81,11 @@ def _normalise(o: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key, value [num_tokens, num_kv_heads, head_size] into their slots; negative slots are padding."""
-    k_cache, v_cache = split_kv(kv_cache)
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache[slots // block_size, :, slots % block_size] = key[: len(slot_mapping)][valid]
-    v_cache[slots // block_size, :, slots % block_size] = value[: len(slot_mapping)][valid]
+    layout.write_tokens(kv_cache, slots // block_size, slots % block_size, key[: len(slot_mapping)][valid],
+                        value[: len(slot_mapping)][valid])
 
 
 def tpp_decode(
@@ -112,7 +111,6 @@ def tpp_decode(
     batch, num_heads, head_size = query.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    k_cache, v_cache = split_kv(kv_cache)
     device = query.device
     q = (query.float() * scale).view(batch, num_kv_heads, group, head_size)
     seq_lens = seq_lens.to(device)
@@ -129,8 +127,8 @@ def tpp_decode(
         rows = order[begin:end]
         blocks = block_table[rows[0], int(ctx.node_chunk_begin[k]) : int(ctx.node_chunk_end[k])].long()
         # [num_kv_heads, chunks * block_size, D]
-        keys = k_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
-        values = v_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
+        keys, values = (x.float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)
+                        for x in layout.read_blocks(kv_cache, blocks))
         # [num_kv_heads, rows * group, D]: the query matrix of the node
         q_node = q[rows].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_size)
         key_pos = int(ctx.node_chunk_begin[k]) * block_size + torch.arange(keys.shape[1], device=device)
@@ -157,8 +155,7 @@ def tpp_decode(
         valid &= pos >= seq_lens.long()[:, None] - sliding_window
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
-    keys = k_cache[blocks, :, pos % block_size].float()  # [B, L, num_kv_heads, D]
-    values = v_cache[blocks, :, pos % block_size].float()
+    keys, values = (x.float() for x in layout.read_tokens(kv_cache, blocks, pos % block_size))  # [B, L, heads, D]
     bias = None
     if slopes is not None:  # [B, num_kv_heads, group, L]
         bias = _alibi_bias(slopes[None, :, :, None], pos[:, None, None, :], query_pos[:, None, None, None])
@@ -211,15 +208,14 @@ def paged_prefill(
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    k_cache, v_cache = split_kv(kv_cache)
     for i, seq_len in enumerate(seq_lens):
         q_begin, q_end = query_start_loc[i], query_start_loc[i + 1]
         num_new = q_end - q_begin
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[i, :num_blocks].long()
         # [num_kv_heads, seq_len, D]
-        keys = k_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :seq_len]
-        values = v_cache[blocks].float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :seq_len]
+        keys, values = (x.float().transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :seq_len]
+                        for x in layout.read_blocks(kv_cache, blocks))
         # [num_kv_heads, group * num_new, D], rows ordered (group, token)
         q = (query[q_begin:q_end].float() * scale).view(num_new, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_size)

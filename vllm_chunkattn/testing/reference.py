@@ -13,32 +13,33 @@ import math
 
 import torch
 
-from vllm_chunkattn.kernels.layout import split_kv
+from vllm_chunkattn.kernels import layout
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kernels_device: str | None = None,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_size] at their slots; negative slots are padding."""
-    k_cache, v_cache = split_kv(kv_cache)
+    """Store key/value [num_tokens, num_kv_heads, head_size] at their slots; negative slots are padding.
+    kernels_device: whose layout the cache has (layout.py)."""
     block_size = kv_cache.shape[2]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, :, slot % block_size] = key[t]
-        v_cache[slot // block_size, :, slot % block_size] = value[t]
+        where = torch.tensor([slot // block_size]), torch.tensor([slot % block_size])
+        layout.write_tokens(kv_cache, *where, key[t : t + 1], value[t : t + 1], kernels_device)
 
 
 def gather_context(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, kernels_device: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the first `seq_len` tokens of one request: [seq_len, num_kv_heads, head_size]."""
-    k_cache, v_cache = split_kv(kv_cache)
     block_size = kv_cache.shape[2]
     pos = torch.arange(seq_len)
-    blocks = block_row[pos // block_size].long()
-    rows = pos % block_size
-    return k_cache[blocks, :, rows], v_cache[blocks, :, rows]
+    return layout.read_tokens(kv_cache, block_row[pos // block_size], pos % block_size, kernels_device)
 
 
 def paged_attention(
@@ -52,6 +53,7 @@ def paged_attention(
     logits_soft_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    kernels_device: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole context,
     or with `sliding_window` W > 0 over its last W positions (p - W + 1 .. p);
@@ -64,6 +66,7 @@ def paged_attention(
     query_start_loc: [num_reqs + 1]; request i owns query rows qsl[i]:qsl[i+1]
     seq_lens:        [num_reqs]; context length including the new tokens
     block_table:     [num_reqs, max_blocks]
+    kernels_device:  whose layout kv_cache has (layout.py); the tensor's device's by default
     Returns [num_tokens, num_heads, head_size] in the query's dtype.
     """
     num_heads = query.shape[1]
@@ -76,7 +79,7 @@ def paged_attention(
         num_new = q_end - q_begin
         if num_new == 0:
             continue
-        k, v = gather_context(kv_cache, block_table[i], seq_len)
+        k, v = gather_context(kv_cache, block_table[i], seq_len, kernels_device)
         k = k.double().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
         v = v.double().repeat_interleave(group, dim=1)
         q = query[q_begin:q_end].double()  # [num_new, num_heads, d]
