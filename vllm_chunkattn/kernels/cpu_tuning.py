@@ -32,9 +32,9 @@ step finds them: the other layers' weights and KV pass through in between;
 measured warm, a Zen 3 chose the prefetch pace that is 1.17x slower from
 memory), candidates interleaved in rotating order, a step of many candidates
 timed again on its `FINALISTS` with more repeats (a step of few
-candidates: a change its one round finds, timed again against the current
-value), a change kept only if it beats the current value by `MIN_GAIN` in the
-last round; then, with those tiles, the
+candidates: any value its one round puts ahead of the current one, timed
+again against it), a change kept only if it beats the current value by
+`MIN_GAIN` in the last round; then, with those tiles, the
 tree path's reach. That takes seconds (13 to 33 on a 2-core Zen 4);
 the result goes to the cache file and into the kernels, and is logged once.
 A cache file that cannot be read or does not match is measured again; the
@@ -100,17 +100,19 @@ MIN_GAIN = 0.03  # a candidate must be this much faster than the current value t
 REPEATS = 5
 # A step of more candidates than FINALISTS screens them all with SCREEN_REPEATS, then times the FINALISTS
 # fastest and the current value again with FINAL_REPEATS: of many candidates whose costs lie within their
-# noise, the fastest of one round is often only the luckiest. A step of fewer times them with REPEATS, and a
-# change that round finds is timed again, head to head with the current value, with FINAL_REPEATS: one
-# round is one sample of a noisy machine (a Zen 4's bf16 16-head tuning once took prefetch distance 0 at
-# 0.85 of distance 1's time in one round; timed again on the same workload it was 1.03 to 1.06).
+# noise, the fastest of one round is often only the luckiest. A step of fewer times them with REPEATS, and
+# the value that round puts first, unless it is the current one, is timed again head to head with the
+# current value with FINAL_REPEATS: one round is one sample of a noisy machine, both ways (a Zen 4's bf16
+# 16-head tuning once took prefetch distance 0 at 0.85 of distance 1's time in one round, 1.03 to 1.06 timed
+# again; a Zen 5's fp32 32-head tuning once kept distance 1 with 0 at 0.97 in its one round, where 0 is
+# 0.83 to 0.89 of 1's time in decode and measured 0.87 in two tunings after).
 FINALISTS = 4
 SCREEN_REPEATS = 3
 FINAL_REPEATS = 8
 # The private-decode workload's KV: well beyond a last-level cache, so that
 # prefetching matters as it does in serving.
 PRIVATE_DECODE_KV_BYTES = 64 << 20
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 
 
 _DEFAULTS = _C.cpu_tuning_defaults()  # csrc/cpu/kernels.h: the built-in values
@@ -331,7 +333,7 @@ def measure(shape: DecodeShape) -> tuple[ShapeTuning, dict]:
             screen = len(candidates) > FINALISTS
             cost = _time_candidates(names, candidates, best, step_calls, flush, SCREEN_REPEATS if screen else REPEATS)
             winner = min(cost, key=cost.get)
-            if screen or _beats(cost, winner, now):
+            if screen or winner != now:
                 # The second round decides (FINAL_REPEATS, above).
                 measured[f"{step_name(names)} (first round)"] = {candidate_name(c): round(v, 4)
                                                                  for c, v in cost.items()}
