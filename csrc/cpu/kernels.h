@@ -44,10 +44,12 @@ struct TileRef {
   int keys = 0;
 };
 
-// A run of cache lines to prefetch: `lines` lines from p.
+// A run of cache lines to prefetch: `lines` lines from p, asked for by a
+// register block's loop one every 2^step_shift steps.
 struct LineRun {
   const char* p = nullptr;
   int lines = 0;
+  int step_shift = 0;
 };
 
 // Memory-bound work that a compute-bound `lanes` call takes into its gaps:
@@ -218,8 +220,8 @@ struct CpuTuning {
   int lanes_tile_keys = 128;    // keys per attend_lanes tile, rounded down to whole chunks (at least one)
   int prefetch_distance = 1;    // attend_direct: KV tiles ahead of the one computed that are prefetched (0: none)
   int decode_qk_inline = 0;     // 1: decode's lanes tiles inline the bf16 Q.K block (KernelTable::lanes_qk_inline)
-  int lanes_prefetch_spread = 1;  // attend_lanes: each register block prefetches 1 / spread of the next tile's
-                                  // lines its loop could (1: a line per step; 0: no prefetching)
+  int lanes_prefetch_spread = 1;  // attend_lanes: each register block prefetches a line of the next tile every
+                                  // spread steps of its loop, rounded down to a power of 2 (0: no prefetching)
 };
 // Every parameter once: its name (the Python side's), its field and its
 // allowed range [min, max]. set_cpu_tuning checks against it, and the _C
