@@ -242,6 +242,8 @@ def test_warm_workloads_send_the_timed_runs_prompts_with_one_output_token_first(
                  "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes", "--base-url"):
         assert option(timed, flag) == option(warm_up, flag)
     assert "--save-result" in timed and "--save-result" not in warm_up
+    # The timed run's first request goes alone, untimed, first (a burst's prefix is then cached).
+    assert int(option(timed, "--ready-check-timeout-sec")) > 0
     # A Poisson run's warm-up sends the same requests, all at once.
     args = serve.parse_args(["--request-rates", "0.5"])
     chosen = {"prefix_repetition-8192-warm": full["prefix_repetition-8192-warm"]}

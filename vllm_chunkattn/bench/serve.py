@@ -43,6 +43,7 @@ from vllm_chunkattn.testing.models import add_model_arguments
 from vllm_chunkattn.testing.server import ServerError, VllmServer
 
 SERVERS = {"stock": [], "chunk": ["--attention-backend", "chunk"]}
+READY_CHECK_TIMEOUT_S = 600  # for the untimed first request of a run (bench_command)
 
 
 # ---------------------------------------------------------------- options
@@ -169,6 +170,9 @@ def bench_command(args: argparse.Namespace, model: str, url: str, run: Run, serv
                   dataset_dir: Path, raw_dir: Path, run_name: str) -> list[str]:
     return [
         *_client_command(args, model, url, run, server, run.workload.bench_args(dataset_dir), run.traffic_args()),
+        # The run's first request alone, untimed, before the timed ones: a burst's prefix is then cached
+        # when the burst arrives (vLLM 0.32 skips this request unless given a timeout).
+        "--ready-check-timeout-sec", str(READY_CHECK_TIMEOUT_S),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", f"{server}-{run_name}.json",
     ]

@@ -27,7 +27,7 @@ class Workload:
     # Before each timed run, the same requests with one output token each (`warm_up_args`): the prefixes
     # are in the prefix cache when timing starts, as on a server whose system prompts are hot. Without
     # it a run starts from an empty prefix cache and computes every distinct prefix once, in both servers
-    # (but the first: `vllm bench serve` sends the first request alone before timing).
+    # (but the first: the timed run sends it alone before timing, serve.bench_command).
     warm: bool = False
     # The project's targets, checked in the report; None: no target.
     min_throughput_ratio: float | None = None  # chunk/stock output tokens/s at max concurrency
@@ -143,8 +143,8 @@ def workloads(quick: bool) -> dict[str, Workload]:
             *shared(tree("tree", TreeShape(system_tokens=1024, num_groups=4, document_tokens=1024,
                                            question_tokens=32, output_tokens=128)), 1.15),
             replace(random_no_prefix("random-1024", 1024, 128), min_throughput_ratio=1.0, max_ttft_ratio=1.0),
-            # 32 requests at once behind one 2048-token prefix that is already cached (`vllm bench serve`
-            # sends the first prompt alone before timing): what users feel first is the TTFT.
+            # 32 requests at once behind one 2048-token prefix that is already cached (the timed run sends
+            # the first prompt alone before timing, serve.bench_command): what users feel first is the TTFT.
             replace(prefix_repetition("burst-2048", 2048, 64, 1, 64), num_prompts=32, max_ttft_ratio=1.0,
                     description="a burst of 32 requests behind one cached 2048-token prefix, 64-token suffixes"),
         ]
